@@ -1,0 +1,100 @@
+"""Apply deltas in place into a PyTorch module (or any mapping of tensors).
+
+Writes go through ``index_copy_`` into the existing storage of each parameter on
+its own device: O(changed elements), no reallocation, so optimizers, hooks and
+captured graphs that hold the tensors keep seeing the live weights. Parameters
+may be held in the published dtype (bit-exact writes of the bit patterns) or in
+a wider float dtype (values are cast up, which is exact for bf16 -> fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..codec import Decoded
+from ..errors import TensorMismatch
+from ..format import Header, check_compatible
+from ..tensors import TensorSpec, bits_view, dtype_name, fingerprint, published_tensors
+
+__all__ = ["TorchModuleApplier"]
+
+
+class TorchModuleApplier:
+    """Applies decoded deltas and anchors to a module's tensors in place.
+
+    Args:
+        target (`nn.Module` or `Mapping[str, Tensor]`): the receiving weights.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): the
+            published dtype; ``None`` takes each tensor's own dtype.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = torch.bfloat16,
+    ) -> None:
+        self._tensors = dict(published_tensors(target))
+        self.specs = {
+            name: TensorSpec(name, tuple(t.shape), dtype_name(dtype or t.dtype))
+            for name, t in self._tensors.items()
+        }
+        self.fingerprint = fingerprint(self.specs.values())
+
+    def validate(self, header: Header) -> None:
+        """Refuse a file that does not fit these tensors, before anything is decoded.
+
+        Raises:
+            `FingerprintMismatch`: made for another model.
+            `TensorMismatch`: a carried tensor is unknown here or laid out differently.
+        """
+        check_compatible(header, self.fingerprint)
+        for name, entry in header.tensors.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                raise TensorMismatch(f"unknown tensor {name!r} in file", name=name)
+            if spec != entry.spec:
+                raise TensorMismatch(
+                    f"{name}: file has {entry.spec.dtype}{list(entry.spec.shape)}, "
+                    f"receiver has {spec.dtype}{list(spec.shape)}",
+                    name=name,
+                )
+
+    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
+        """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""
+        flat = self._tensors[name].detach().view(-1)
+        picked = flat[_tensor(indices).to(flat.device)]
+        published = self.specs[name].torch_dtype
+        return bits_view(picked.to(published)).cpu().numpy()
+
+    def apply(self, decoded: Mapping[str, Decoded]) -> None:
+        """Write validated patches in place; call :meth:`validate` first."""
+        with torch.no_grad():
+            for name, patch in decoded.items():
+                self._apply_one(name, patch)
+
+    def _apply_one(self, name: str, patch: Decoded) -> None:
+        tensor = self._tensors[name]
+        published = self.specs[name].torch_dtype
+        values = _tensor(patch.values).view(published).to(tensor.device)
+        flat = tensor.detach().view(-1)
+        if tensor.dtype == published:
+            flat, values = bits_view(flat), bits_view(values)
+        else:
+            values = values.to(tensor.dtype)
+        if patch.indices is None:
+            flat.copy_(values)
+        else:
+            flat.index_copy_(0, _tensor(patch.indices).to(flat.device), values)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The receiving tensors by published name (live views, not copies)."""
+        return dict(self._tensors)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    # torch refuses to wrap read-only buffers without a warning; those are small copies.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())

@@ -1,0 +1,122 @@
+"""The codec protocol: how one tensor's changes become named safetensors entries.
+
+A codec turns a :class:`~deltasync.diff.TensorChange` into a few named arrays
+(``parts``) plus a small JSON-able ``params`` dict, and back. The container
+(:mod:`deltasync.format`) stores each part as the safetensors entry
+``"{tensor}::{part}"`` and the params in the file's metadata.
+
+Decoders treat every input as hostile: each check that a malformed or
+malicious file could fail raises :class:`~deltasync.errors.CodecError`, and no
+decoder allocates more than the sizes the header declares allow.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..diff import TensorChange
+from ..errors import CodecError
+from ..tensors import TensorSpec
+
+__all__ = ["Codec", "Encoded", "Decoded", "BaseLookup", "check_part", "check_indices"]
+
+BaseLookup = Callable[[str, np.ndarray], np.ndarray]
+"""``(tensor name, sorted flat indices) -> current bit patterns there`` on the receiver."""
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One tensor's changes, encoded."""
+
+    parts: dict[str, torch.Tensor]
+    """Part name -> array stored as safetensors entry ``"{tensor}::{part}"``."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Codec parameters needed to decode (JSON-able scalars)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """One tensor's changes, decoded and validated, ready to apply."""
+
+    indices: np.ndarray | None
+    """Strictly increasing flat int64 indices, all in bounds; ``None`` for a whole tensor."""
+    values: np.ndarray
+    """New bit patterns (int16/int32): one per index, or every element in order."""
+
+
+class Codec(ABC):
+    """Encodes and decodes the changed elements of one tensor."""
+
+    name: ClassVar[str]
+    """Registry name, written into every file that uses the codec."""
+    needs_base: ClassVar[bool] = False
+    """True when decoding reads the receiver's current values at the changed indices."""
+
+    @abstractmethod
+    def encode(self, change: TensorChange, *, level: int) -> Encoded:
+        """Encode ``change``; ``level`` is the compression level where one applies."""
+
+    @abstractmethod
+    def decode(
+        self,
+        parts: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        spec: TensorSpec,
+        nnz: int,
+        base: BaseLookup | None,
+    ) -> Decoded:
+        """Decode and validate; raise :class:`CodecError` on anything malformed."""
+
+    def supports(self, change: TensorChange) -> bool:
+        """Whether this codec can carry ``change`` (sparse codecs refuse dense changes)."""
+        return not change.dense
+
+
+def check_part(
+    parts: Mapping[str, torch.Tensor],
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...] | None,
+    spec: TensorSpec,
+) -> torch.Tensor:
+    """Fetch part ``key`` and check its dtype and (when given) shape."""
+    if key not in parts:
+        raise CodecError(f"{spec.name}: missing part {key!r}", name=spec.name, part=key)
+    part = parts[key]
+    if part.dtype != dtype or (shape is not None and tuple(part.shape) != shape):
+        raise CodecError(
+            f"{spec.name}: part {key!r} is {part.dtype}{list(part.shape)}, "
+            f"expected {dtype}{list(shape) if shape is not None else ''}",
+            name=spec.name,
+            part=key,
+        )
+    if shape is None and part.dim() != 1:
+        raise CodecError(f"{spec.name}: part {key!r} must be 1-D", name=spec.name, part=key)
+    return part
+
+
+def check_indices(indices: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """Require strictly increasing indices within ``[0, numel)``; return them as int64."""
+    indices = indices.astype(np.int64, copy=False)
+    if indices.size:
+        if indices[0] < 0 or indices[-1] >= spec.numel:
+            raise CodecError(
+                f"{spec.name}: index out of range [0, {spec.numel})", name=spec.name
+            )
+        if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+            raise CodecError(
+                f"{spec.name}: indices must be strictly increasing (sorted, no duplicates)",
+                name=spec.name,
+            )
+    return indices
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array (no copy)."""
+    return tensor.detach().cpu().numpy()

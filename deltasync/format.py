@@ -1,0 +1,319 @@
+"""The wire format: one delta or anchor is one valid safetensors file.
+
+A *delta* carries, for each changed tensor ``T``, the entries ``T::idx`` /
+``T::val`` (or whatever parts its codec names) and, in the safetensors
+``__metadata__``, everything needed to check and decode it: format and version,
+model fingerprint, version and base version, and per tensor its codec, shape,
+dtype, changed-element count and codec params. An *anchor* is a plain bf16
+checkpoint (entries named after the tensors themselves, loadable by any
+safetensors reader) with the same metadata. ``docs/FORMAT.md`` specifies it.
+
+Reading is split in two so a receiver can refuse a file before decoding it:
+:func:`read_header` parses and validates the metadata alone, and
+:func:`decode` decodes and validates every tensor without writing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from .codec import DEFAULT_CODEC, BaseLookup, Decoded, get_codec
+from .diff import ChangeSet
+from .errors import CodecError, DeltaFormatError, FingerprintMismatch
+from .tensors import TensorSpec, dtype_from_name, dtype_name, fingerprint
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "TensorEntry",
+    "Header",
+    "encode_delta",
+    "encode_anchor",
+    "read_header",
+    "decode",
+]
+
+FORMAT_NAME = "deltasync"
+FORMAT_VERSION = 1
+# Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
+MAX_HEADER_BYTES = 64 << 20
+DEFAULT_LEVEL = 3  # zstd level: ~300 MB/s on one core, within a few % of level 9's size here
+
+Kind = Literal["delta", "anchor"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """What a file says about one tensor it carries."""
+
+    spec: TensorSpec
+    """Name, full shape and published dtype."""
+    codec: str
+    """Codec that encoded the tensor (``"dense"`` for anchors)."""
+    nnz: int
+    """Elements that changed since the base version (all, for anchors)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Codec parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The validated metadata of a delta or anchor file."""
+
+    kind: Kind
+    """``"delta"`` or ``"anchor"``."""
+    version: int
+    """The version this file produces."""
+    base_version: int | None
+    """The version a delta applies to; ``None`` for anchors."""
+    fingerprint: str
+    """Hash of all published names, shapes and dtypes (see :func:`tensors.fingerprint`)."""
+    numel: int
+    """Elements in the whole model."""
+    tensors: dict[str, TensorEntry]
+    """Carried tensors by name; unchanged tensors are absent from deltas."""
+    format_version: int = FORMAT_VERSION
+    """Wire format revision."""
+
+    @property
+    def nnz(self) -> int:
+        """Elements this file changes."""
+        return sum(e.nnz for e in self.tensors.values())
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the model's elements left untouched."""
+        return 1.0 - self.nnz / self.numel if self.numel else 1.0
+
+
+def encode_delta(
+    changes: ChangeSet,
+    *,
+    version: int,
+    base_version: int,
+    codec: str = DEFAULT_CODEC,
+    level: int = DEFAULT_LEVEL,
+) -> bytes:
+    """Serialize a change set as a delta file.
+
+    Args:
+        changes (`ChangeSet`): what changed since ``base_version``.
+        version (`int`): the version this delta produces; must exceed ``base_version``.
+        base_version (`int`): the version the changes were computed against.
+        codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors;
+            densely changed tensors always use ``"dense"``.
+        level (`int`, *optional*, defaults to 3): zstd level for compressing codecs.
+
+    Returns:
+        `bytes`: one safetensors file.
+    """
+    if version <= base_version:
+        raise ValueError(f"version {version} must be greater than base_version {base_version}")
+    sparse = get_codec(codec)
+    dense = get_codec("dense")
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for change in changes.changes:
+        chosen = dense if change.dense else sparse
+        if not chosen.supports(change):
+            chosen = get_codec(DEFAULT_CODEC)
+        encoded = chosen.encode(change, level=level)
+        for part, array in encoded.parts.items():
+            tensors[f"{change.spec.name}::{part}"] = array.contiguous()
+        entries[change.spec.name] = _entry_json(change.spec, chosen.name, change.nnz, encoded.params)
+    meta = _metadata("delta", version, base_version, changes.specs, entries)
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def encode_anchor(source: Mapping[str, torch.Tensor], *, version: int) -> bytes:
+    """Serialize full tensors (in their published dtype) as an anchor file.
+
+    The entries are the tensors under their own names, so an anchor is also an
+    ordinary safetensors checkpoint.
+    """
+    specs = tuple(TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items())
+    entries = {s.name: _entry_json(s, "dense", s.numel, {}) for s in specs}
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
+    return safetensors.torch.save(tensors, metadata=_metadata("anchor", version, None, specs, entries))
+
+
+def _entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any]) -> dict[str, Any]:
+    return {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
+
+
+def _metadata(
+    kind: Kind,
+    version: int,
+    base_version: int | None,
+    specs: tuple[TensorSpec, ...],
+    entries: dict[str, dict[str, Any]],
+) -> dict[str, str]:
+    numel = sum(s.numel for s in specs)
+    nnz = sum(e["nnz"] for e in entries.values())
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": kind,
+        "version": str(version),
+        "fingerprint": fingerprint(specs),
+        "numel": str(numel),
+        "nnz": str(nnz),
+        "sparsity": f"{1 - nnz / numel if numel else 1.0:.6f}",
+        "tensors": json.dumps(entries, separators=(",", ":")),
+    }
+    if base_version is not None:
+        meta["base_version"] = str(base_version)
+    return meta
+
+
+def raw_header(data: bytes | memoryview) -> dict[str, Any]:
+    """The safetensors JSON header of ``data``, with its length bounded and checked."""
+    if len(data) < 8:
+        raise DeltaFormatError("not a safetensors file: shorter than 8 bytes")
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    if length > MAX_HEADER_BYTES or length > len(data) - 8:
+        raise DeltaFormatError(
+            f"safetensors header length {length} exceeds the file or the {MAX_HEADER_BYTES}-byte cap",
+            length=length,
+        )
+    try:
+        header = json.loads(bytes(data[8 : 8 + length]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeltaFormatError(f"safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise DeltaFormatError("safetensors header must be a JSON object")
+    return header
+
+
+def read_header(data: bytes | memoryview) -> Header:
+    """Parse and validate the deltasync metadata of a delta or anchor file.
+
+    Raises:
+        `DeltaFormatError`: the file is not a deltasync file of a supported version,
+            or its metadata is malformed.
+    """
+    meta = raw_header(data).get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise DeltaFormatError("not a deltasync file: metadata 'format' is not 'deltasync'")
+    try:
+        return _parse_header(meta)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, DeltaFormatError):
+            raise
+        raise DeltaFormatError(f"malformed deltasync metadata: {exc!r}") from None
+
+
+def _parse_header(meta: dict[str, Any]) -> Header:
+    format_version = int(meta["format_version"])
+    if format_version != FORMAT_VERSION:
+        raise DeltaFormatError(
+            f"format version {format_version} is not supported (this deltasync reads "
+            f"{FORMAT_VERSION}); upgrade deltasync",
+            format_version=format_version,
+        )
+    kind = meta["kind"]
+    if kind not in ("delta", "anchor"):
+        raise DeltaFormatError(f"unknown kind {kind!r}")
+    version = int(meta["version"])
+    base = int(meta["base_version"]) if kind == "delta" else None
+    if version < 0 or (base is not None and not 0 <= base < version):
+        raise DeltaFormatError(f"bad version {version} / base {base}")
+    raw_entries = json.loads(meta["tensors"])
+    if not isinstance(raw_entries, dict):
+        raise DeltaFormatError("metadata 'tensors' must be a JSON object")
+    tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
+    numel = int(meta["numel"])
+    if kind == "anchor" and fingerprint(e.spec for e in tensors.values()) != meta["fingerprint"]:
+        raise DeltaFormatError("anchor fingerprint does not match its own tensors")
+    return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
+
+
+def _parse_entry(name: str, raw: Any) -> TensorEntry:
+    if not isinstance(raw, dict):
+        raise DeltaFormatError(f"{name}: tensor entry must be an object")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise DeltaFormatError(f"{name}: bad shape {shape!r}")
+    dtype_from_name(raw["dtype"])
+    spec = TensorSpec(name, tuple(shape), raw["dtype"])
+    nnz, params = raw["nnz"], raw.get("params", {})
+    if not isinstance(nnz, int) or not 0 <= nnz <= spec.numel:
+        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {spec.numel}]")
+    if not isinstance(params, dict):
+        raise DeltaFormatError(f"{name}: params must be an object")
+    return TensorEntry(spec, str(raw["codec"]), nnz, params)
+
+
+def check_compatible(header: Header, expected_fingerprint: str) -> None:
+    """Refuse a file made for another model."""
+    if header.fingerprint != expected_fingerprint:
+        raise FingerprintMismatch(
+            f"file is for model {header.fingerprint}, this receiver holds {expected_fingerprint}: "
+            "point the receiver at the right store, or start it from this run's anchor",
+            expected=expected_fingerprint,
+            found=header.fingerprint,
+        )
+
+
+def decode(
+    data: bytes | memoryview, *, base: BaseLookup | None = None, header: Header | None = None
+) -> tuple[Header, dict[str, Decoded]]:
+    """Decode every tensor of a delta or anchor, validating all of it, writing nothing.
+
+    Args:
+        data (`bytes`): the whole file.
+        base (`BaseLookup`, *optional*): reads the receiver's current bit patterns,
+            required by base-relative codecs such as ``compact``.
+        header (`Header`, *optional*): the already parsed header, to skip re-parsing.
+
+    Returns:
+        `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
+
+    Raises:
+        `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
+            base-relative decode did not reproduce the publisher's values.
+    """
+    header = header or read_header(data)
+    try:
+        entries = safetensors.torch.load(bytes(data))
+    except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
+        raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
+    decoded: dict[str, Decoded] = {}
+    if header.kind == "anchor":
+        if entries.keys() != header.tensors.keys():
+            raise DeltaFormatError("anchor entries differ from its metadata")
+        for name, entry in header.tensors.items():
+            parts = {"val": entries[name]}
+            decoded[name] = get_codec("dense").decode(parts, {}, entry.spec, entry.nnz, None)
+        return header, decoded
+    expected = {f"{n}::" for n in header.tensors}
+    stray = [k for k in entries if k[: k.rfind("::") + 2] not in expected]
+    if stray:
+        raise DeltaFormatError(f"entries without metadata: {stray[:5]}")
+    codecs = {}
+    for name, entry in header.tensors.items():  # resolve every codec before decoding any
+        try:
+            codecs[name] = get_codec(entry.codec)
+        except ValueError as exc:
+            raise CodecError(f"{name}: {exc}", name=name) from None
+    for name, entry in header.tensors.items():
+        prefix = f"{name}::"
+        parts = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
+        decoded[name] = codecs[name].decode(parts, entry.params, entry.spec, entry.nnz, base)
+    return header, decoded
+
+
+def as_numpy_bits(tensor: torch.Tensor) -> np.ndarray:
+    """Bit patterns of a CPU tensor as a flat numpy array (for base lookups)."""
+    from .tensors import bits_view
+
+    return bits_view(tensor.detach()).reshape(-1).cpu().numpy()

@@ -1,0 +1,178 @@
+"""The store protocol: a handful of object operations every backend provides.
+
+Keys are ``/``-separated paths relative to the store's root (the run prefix);
+:func:`check_key` refuses anything that could escape it. Backends translate
+their client's errors into :class:`~deltasync.errors.StoreError` and its
+children, so callers handle one error tree whatever the backend.
+
+Conditional writes are how two writers are kept apart: ``put(mode="create")``
+fails with :class:`~deltasync.errors.PreconditionFailed` if the key exists, and
+``put(if_match=etag)`` fails if the object changed since it was read. Backends
+without them set ``conditional_writes = False`` and callers take a lease instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Literal, TypeVar
+
+from ..errors import ManifestError, StoreError
+
+__all__ = ["ObjectInfo", "Store", "PutMode", "check_key", "retry"]
+
+logger = logging.getLogger("deltasync.stores")
+
+PutMode = Literal["overwrite", "create"]
+T = TypeVar("T")
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a store knows about one object."""
+
+    key: str
+    """Key relative to the store root."""
+    size: int
+    """Size in bytes."""
+    etag: str | None = None
+    """Opaque version tag for conditional reads and writes (``None`` where unsupported)."""
+    modified: float | None = None
+    """Last modification, seconds since the epoch, where the backend reports it."""
+
+
+def check_key(key: str) -> str:
+    """Validate a key: relative, ``/``-separated, no ``..``, ``.`` or empty segments.
+
+    Raises:
+        `ManifestError`: the key is unsafe (path traversal, absolute, URL, odd characters).
+    """
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise ManifestError(f"invalid object key {key!r}", key=key)
+    for segment in key.split("/"):
+        if segment in ("", ".", "..") or not _SEGMENT.match(segment):
+            raise ManifestError(
+                f"unsafe object key {key!r}: keys are relative paths of [A-Za-z0-9._=+@,-] segments",
+                key=key,
+            )
+    return key
+
+
+class Store(ABC):
+    """A flat namespace of immutable-ish objects under one root."""
+
+    scheme: ClassVar[str]
+    """URL scheme the backend registers under."""
+    conditional_writes: ClassVar[bool] = True
+    """Whether ``put(mode="create")`` and ``put(if_match=...)`` are enforced atomically."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
+        """Write ``data`` at ``key`` atomically (readers see all or nothing).
+
+        Args:
+            mode (`"overwrite"` or `"create"`): ``"create"`` fails if the key exists.
+            if_match (`str`, *optional*): fail unless the current etag equals this.
+
+        Raises:
+            `PreconditionFailed`: a condition did not hold. `StoreError`: the write failed.
+        """
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """Read a whole object. Raises `ObjectNotFound` if missing."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)`` of an object."""
+
+    @abstractmethod
+    def head(self, key: str) -> ObjectInfo:
+        """Size and etag of an object. Raises `ObjectNotFound` if missing."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove an object; removing a missing object is not an error."""
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
+        """Read ``key`` unless its etag still equals ``etag`` (then return ``None``).
+
+        Backends with conditional GET override this to save the transfer.
+        """
+        info = self.head(key)
+        if etag is not None and info.etag == etag:
+            return None
+        data = self.get(key)
+        return data, ObjectInfo(key, len(data), info.etag, info.modified)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+        from ..errors import ObjectNotFound
+
+        try:
+            self.head(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release clients and connections."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+# Retry policy for transient store failures, after huggingface_hub's http_backoff:
+# capped exponential backoff with jitter.
+RETRY_ATTEMPTS = 5
+RETRY_BASE_DELAY = 0.25
+RETRY_MAX_DELAY = 8.0
+
+
+def retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    transient: Callable[[BaseException], bool],
+    attempts: int = RETRY_ATTEMPTS,
+    base_delay: float = RETRY_BASE_DELAY,
+    max_delay: float = RETRY_MAX_DELAY,
+    retry_after: Callable[[BaseException], float | None] = lambda exc: None,
+) -> T:
+    """Call ``fn``, retrying transient failures with capped exponential backoff.
+
+    ``retry_after`` may extract a server's Retry-After hint from an error, which
+    then replaces the computed delay (still capped). Non-transient errors and the
+    last failure propagate unchanged.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if attempt == attempts or not transient(exc):
+                raise
+            delay = retry_after(exc) or min(max_delay, base_delay * 2 ** (attempt - 1))
+            delay = min(max_delay, delay) * (0.5 + random.random() / 2)
+            logger.warning("%s failed (%s); retry %d/%d in %.2fs", what, exc, attempt, attempts - 1, delay)
+            time.sleep(delay)
+    raise StoreError(f"{what}: retries exhausted")  # unreachable; keeps type checkers content

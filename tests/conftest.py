@@ -1,0 +1,51 @@
+"""Shared fixtures: every store backend, real servers included, started by the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from deltasync.stores import MemoryStore, Store, open_store
+
+# Backends in the conformance suite; "s3" and "hf" run against real loopback servers
+# (tests/servers/<name>.py exposes serve() -> context manager with store_url/store_options).
+BACKENDS = ["memory", "local", "s3", "hf"]
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[dict[str, Any]]:
+    """Loopback servers, started lazily once per session and stopped at the end."""
+    with contextlib.ExitStack() as stack:
+        running: dict[str, Any] = {}
+
+        def get(name: str) -> Any:
+            if name not in running:
+                module = importlib.import_module(f"tests.servers.{name}")
+                running[name] = stack.enter_context(module.serve())
+            return running[name]
+
+        yield {"get": get}
+
+
+def make_store(backend: str, servers: dict[str, Any], tmp_path: Any) -> Store:
+    """A fresh, empty store of ``backend`` kind."""
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    if backend == "memory":
+        return MemoryStore(prefix)
+    if backend == "local":
+        return open_store(str(tmp_path / prefix))
+    server = servers["get"](backend)
+    return open_store(server.store_url(prefix), **server.store_options())
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, servers: dict[str, Any], tmp_path: Any) -> Iterator[Store]:
+    """Every backend in turn, each fresh and empty."""
+    s = make_store(request.param, servers, tmp_path)
+    yield s
+    s.close()

@@ -1,0 +1,148 @@
+"""Exact change detection: bit patterns, chunking, ties, dense capture, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.diff import Snapshot, diff
+from deltasync.errors import TensorMismatch
+from deltasync.tensors import bits_view, fingerprint
+
+BF16 = torch.bfloat16
+
+
+def bf16_from_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int16).view(BF16)
+
+
+class TestBitExactness:
+    def test_negative_zero_is_a_change(self) -> None:
+        weights = {"w": bf16_from_bits([0x0000, 0x0001, 0x0002, 0x0003])}
+        snap = Snapshot.capture(weights)
+        weights["w"].view(torch.int16)[0] = -0x8000  # -0.0 == +0.0 as floats
+        changes = diff(snap, weights)
+        assert changes.nnz == 1
+        assert changes.changes[0].indices.tolist() == [0]
+
+    def test_same_nan_is_not_a_change_other_payload_is(self) -> None:
+        weights = {"w": bf16_from_bits([0x7FC1, 0x7FC1, 0x0000, 0x0000])}
+        snap = Snapshot.capture(weights)
+        assert diff(snap, weights).nnz == 0  # NaN != NaN as floats, but the bits agree
+        weights["w"].view(torch.int16)[1] = 0x7FC2
+        assert diff(snap, weights).changes[0].indices.tolist() == [1]
+
+    def test_fp32_master_changes_below_bf16_resolution_are_invisible(self) -> None:
+        master = {"w": torch.ones(1000)}
+        snap = Snapshot.capture(master)
+        master["w"] += 1e-4  # far below one bf16 ulp at 1.0 (2**-7)
+        assert diff(snap, master).nnz == 0
+        master["w"][10] += 0.01
+        change = diff(snap, master).changes[0]
+        assert change.indices.tolist() == [10]
+        assert change.values.view(BF16).item() == torch.tensor(1.0101, dtype=BF16).item()
+
+    def test_values_and_base_are_bit_patterns(self) -> None:
+        weights = {"w": torch.zeros(4, 4, dtype=BF16)}
+        snap = Snapshot.capture(weights)
+        weights["w"][1, 2] = 3.0
+        change = diff(snap, weights).changes[0]
+        assert change.indices.tolist() == [6]
+        assert change.values.dtype == torch.int16 and change.base.tolist() == [0]
+        assert change.values.tolist() == bits_view(torch.tensor([3.0], dtype=BF16)).tolist()
+
+
+class TestChunking:
+    @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 22])
+    def test_chunk_size_does_not_change_the_result(self, chunk: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        weights = {"a": torch.randn(50, 37, generator=gen), "b": torch.randn(3, generator=gen)}
+        snap = Snapshot.capture(weights)
+        weights["a"].view(-1)[torch.randperm(1850, generator=gen)[:40]] += 1.0
+        weights["b"][2] = -5.0
+        reference = diff(snap, weights)
+        got = diff(snap, weights, chunk=chunk)
+        assert [c.spec for c in got.changes] == [c.spec for c in reference.changes]
+        for a, b in zip(got.changes, reference.changes):
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+
+    def test_indices_sorted_and_global(self) -> None:
+        weights = {"w": torch.zeros(100)}
+        snap = Snapshot.capture(weights)
+        weights["w"][[3, 50, 99]] = 1.0
+        assert diff(snap, weights, chunk=10).changes[0].indices.tolist() == [3, 50, 99]
+
+
+class TestDense:
+    def test_dense_capture_above_fraction(self) -> None:
+        weights = {"w": torch.zeros(30)}
+        snap = Snapshot.capture(weights)
+        weights["w"][:20] = 1.0
+        change = diff(snap, weights, chunk=4).changes[0]
+        assert change.dense and change.nnz == 20 and change.values.numel() == 30
+        assert change.base is None
+
+    def test_sparse_below_fraction(self) -> None:
+        weights = {"w": torch.zeros(30)}
+        snap = Snapshot.capture(weights)
+        weights["w"][:5] = 1.0
+        assert not diff(snap, weights).changes[0].dense
+
+
+class TestSnapshot:
+    def test_costs_two_bytes_per_parameter(self) -> None:
+        model = torch.nn.Linear(64, 32)
+        snap = Snapshot.capture(model)
+        assert snap.nbytes == 2 * sum(p.numel() for p in model.parameters())
+
+    def test_advance_catches_up(self) -> None:
+        model = torch.nn.Linear(16, 16)
+        snap = Snapshot.capture(model)
+        with torch.no_grad():
+            model.weight[0] += 1.0
+            model.bias.zero_()
+        changes = diff(snap, model)
+        assert changes.nnz > 0
+        snap.advance(changes)
+        assert diff(snap, model).nnz == 0
+
+    def test_tied_parameters_published_once(self) -> None:
+        emb = torch.nn.Embedding(10, 4)
+        head = torch.nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        model = torch.nn.ModuleDict({"emb": emb, "head": head})
+        snap = Snapshot.capture(model)
+        assert [s.name for s in snap.specs] == ["emb.weight"]
+
+    def test_other_dtypes_keep_their_width(self) -> None:
+        weights = {"h": torch.zeros(8, dtype=torch.float16), "f": torch.zeros(8)}
+        snap = Snapshot.capture(weights, dtype=None)
+        assert [s.dtype for s in snap.specs] == ["F16", "F32"]
+        weights["f"][3] = 1e-30  # below bf16 resolution near 1, exact in fp32
+        change = diff(snap, weights).changes[0]
+        assert change.values.dtype == torch.int32 and change.indices.tolist() == [3]
+
+    def test_changed_layout_refused(self) -> None:
+        snap = Snapshot.capture({"w": torch.zeros(4)})
+        with pytest.raises(TensorMismatch, match="shape"):
+            diff(snap, {"w": torch.zeros(5)})
+        with pytest.raises(TensorMismatch, match="anchor"):
+            diff(snap, {"v": torch.zeros(4)})
+
+    def test_fingerprint_covers_names_shapes_dtypes(self) -> None:
+        a = Snapshot.capture({"w": torch.zeros(4)}).specs
+        assert fingerprint(a) == fingerprint(Snapshot.capture({"w": torch.ones(4)}).specs)
+        assert fingerprint(a) != fingerprint(Snapshot.capture({"w": torch.zeros(2, 2)}).specs)
+        assert fingerprint(a) != fingerprint(Snapshot.capture({"v": torch.zeros(4)}).specs)
+        assert fingerprint(a) != fingerprint(Snapshot.capture({"w": torch.zeros(4)}, dtype=None).specs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_diff_on_cuda_device() -> None:
+    weights = {"w": torch.zeros(1 << 20, device="cuda")}
+    snap = Snapshot.capture(weights)
+    assert snap["w"].device.type == "cuda"
+    weights["w"][[1, 1 << 19]] = 2.0
+    change = diff(snap, weights).changes[0]
+    assert change.indices.tolist() == [1, 1 << 19] and change.indices.device.type == "cpu"

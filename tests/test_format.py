@@ -1,0 +1,230 @@
+"""The wire format: metadata, golden files, and refusal of every malformed input."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltasync.appliers import TorchModuleApplier
+from deltasync.diff import Snapshot, diff
+from deltasync.errors import (
+    CodecError,
+    DeltaFormatError,
+    DeltaSyncError,
+    FingerprintMismatch,
+    IntegrityError,
+    TensorMismatch,
+)
+from deltasync.format import decode, encode_anchor, encode_delta, raw_header, read_header
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A deterministic base and target: the fixture behind the golden files."""
+    base = {
+        "embed.weight": (torch.arange(96, dtype=torch.float32).view(12, 8) / 7).to(torch.bfloat16),
+        "norm.weight": torch.ones(8, dtype=torch.bfloat16),
+    }
+    target = {k: v.clone() for k, v in base.items()}
+    target["embed.weight"].view(-1)[[0, 5, 77, 95]] += 1
+    target["norm.weight"].view(torch.int16)[3] = -0x8000  # -0.0
+    return base, target
+
+
+def make_delta(codec: str = "compact") -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    base, target = golden_weights()
+    data = encode_delta(diff(Snapshot.capture(base), target), version=2, base_version=1, codec=codec)
+    return data, base, target
+
+
+def rebuild(data: bytes, mutate) -> bytes:
+    """Re-serialize a file after ``mutate(tensors, metadata)`` edits it."""
+    tensors = safetensors.torch.load(data)
+    meta = raw_header(data)["__metadata__"]
+    mutate(tensors, meta)
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def edit_entry(name: str, **changes) -> callable:
+    def mutate(tensors, meta) -> None:
+        entries = json.loads(meta["tensors"])
+        entries[name].update(changes)
+        meta["tensors"] = json.dumps(entries)
+
+    return mutate
+
+
+class TestHeader:
+    def test_metadata_is_self_describing(self) -> None:
+        data, _, _ = make_delta()
+        meta = raw_header(data)["__metadata__"]
+        assert meta["format"] == "deltasync" and meta["format_version"] == "1"
+        assert meta["kind"] == "delta" and meta["version"] == "2" and meta["base_version"] == "1"
+        header = read_header(data)
+        assert header.nnz == 5 and header.numel == 104
+        assert header.sparsity == pytest.approx(1 - 5 / 104)
+        assert header.tensors["embed.weight"].codec == "compact"
+        assert header.tensors["norm.weight"].nnz == 1
+
+    def test_anchor_is_a_plain_checkpoint(self) -> None:
+        base, _ = golden_weights()
+        data = encode_anchor(base, version=1)
+        loaded = safetensors.torch.load(data)
+        assert loaded.keys() == base.keys()
+        assert all(torch.equal(loaded[k].view(torch.int16), base[k].view(torch.int16)) for k in base)
+        assert read_header(data).kind == "anchor"
+
+    def test_raw_delta_readable_without_deltasync(self) -> None:
+        data, _, target = make_delta("raw")
+        loaded = safetensors.torch.load(data)
+        idx, val = loaded["embed.weight::idx"], loaded["embed.weight::val"]
+        assert idx.dtype == torch.int32 and val.dtype == torch.bfloat16
+        assert torch.equal(val, target["embed.weight"].view(-1)[idx.long()])
+
+
+class TestGolden:
+    """Files written by format version 1 stay readable, bit for bit."""
+
+    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "raw"])
+    def test_golden_delta_decodes(self, codec: str) -> None:
+        data = (GOLDEN / f"delta_v1_{codec}.safetensors").read_bytes()
+        base, target = golden_weights()
+        applier = TorchModuleApplier(base)
+        header, patches = decode(data, base=applier.lookup)
+        applier.validate(header)
+        applier.apply(patches)
+        for name in target:
+            assert torch.equal(base[name].view(torch.int16), target[name].view(torch.int16))
+
+    def test_raw_encoding_is_stable(self) -> None:
+        # safetensors orders metadata keys freely, so compare the parsed header and the body bytes.
+        data, _, _ = make_delta("raw")
+        golden = (GOLDEN / "delta_v1_raw.safetensors").read_bytes()
+        assert raw_header(data) == raw_header(golden)
+        body = 8 + struct.unpack("<Q", data[:8])[0]
+        assert data[body:] == golden[8 + struct.unpack("<Q", golden[:8])[0] :]
+
+
+class TestRefusals:
+    def test_truncated(self) -> None:
+        data, _, _ = make_delta()
+        with pytest.raises(DeltaFormatError):
+            read_header(data[:5])
+        with pytest.raises(DeltaFormatError):
+            decode(data[:-3])
+
+    def test_huge_header_length(self) -> None:
+        data, _, _ = make_delta()
+        with pytest.raises(DeltaFormatError, match="header length"):
+            read_header(struct.pack("<Q", 1 << 60) + data[8:])
+
+    def test_header_not_json(self) -> None:
+        with pytest.raises(DeltaFormatError, match="JSON"):
+            read_header(struct.pack("<Q", 4) + b"{{{{")
+
+    def test_not_deltasync(self) -> None:
+        plain = safetensors.torch.save({"w": torch.zeros(2)})
+        with pytest.raises(DeltaFormatError, match="not a deltasync file"):
+            read_header(plain)
+
+    def test_future_format_version(self) -> None:
+        data, _, _ = make_delta()
+        newer = rebuild(data, lambda t, m: m.update(format_version="2"))
+        with pytest.raises(DeltaFormatError, match="upgrade deltasync"):
+            read_header(newer)
+
+    def test_unknown_codec(self) -> None:
+        data, _, _ = make_delta()
+        with pytest.raises(CodecError, match="unknown codec"):
+            decode(rebuild(data, edit_entry("norm.weight", codec="zip")), base=lambda n, i: np.zeros(i.size, np.int16))
+
+    @pytest.mark.parametrize("bad", [[104], [-1], [5, 5], [9, 4]])
+    def test_raw_bad_indices(self, bad: list[int]) -> None:
+        data, base, _ = make_delta("raw")
+
+        def mutate(t, m) -> None:
+            t["norm.weight::idx"] = torch.tensor(bad, dtype=torch.int32)
+            t["norm.weight::val"] = torch.zeros(len(bad), dtype=torch.bfloat16)
+            edit_entry("norm.weight", nnz=len(bad))(t, m)
+
+        with pytest.raises(CodecError, match="out of range|increasing"):
+            decode(rebuild(data, mutate))
+
+    def test_nnz_disagrees_with_parts(self) -> None:
+        data, _, _ = make_delta("raw")
+        with pytest.raises(CodecError, match="expected"):
+            decode(rebuild(data, edit_entry("embed.weight", nnz=3)))
+
+    def test_nnz_beyond_numel(self) -> None:
+        data, _, _ = make_delta()
+        with pytest.raises(DeltaFormatError, match="nnz"):
+            read_header(rebuild(data, edit_entry("norm.weight", nnz=9)))
+
+    def test_decompression_bomb_refused_before_inflating(self) -> None:
+        data, _, _ = make_delta()
+        bomb = zstandard.ZstdCompressor().compress(bytes(50 << 20))
+        bad = rebuild(data, lambda t, m: t.update({"embed.weight::val": torch.frombuffer(bytearray(bomb), dtype=torch.uint8)}))
+        with pytest.raises(CodecError, match="declares"):
+            decode(bad, base=lambda n, i: np.zeros(i.size, np.int16))
+
+    def test_stray_entry(self) -> None:
+        data, _, _ = make_delta()
+        with pytest.raises(DeltaFormatError, match="without metadata"):
+            decode(rebuild(data, lambda t, m: t.update({"other::idx": torch.zeros(1, dtype=torch.uint8)})))
+
+    def test_wrong_base_detected_by_value_digest(self) -> None:
+        data, base, _ = make_delta("compact")
+        drifted = {k: v.clone() for k, v in base.items()}
+        drifted["embed.weight"].view(-1)[77] += 3  # the replica is not at the delta's base
+        with pytest.raises(IntegrityError, match="resync from an anchor"):
+            decode(data, base=TorchModuleApplier(drifted).lookup)
+
+    def test_compact_without_base_refused(self) -> None:
+        data, _, _ = make_delta("compact")
+        with pytest.raises(CodecError, match="needs the receiver"):
+            decode(data)
+
+
+class TestReceiverValidation:
+    def test_other_model_refused(self) -> None:
+        data, _, _ = make_delta()
+        applier = TorchModuleApplier({"embed.weight": torch.zeros(12, 9, dtype=torch.bfloat16), "norm.weight": torch.zeros(8, dtype=torch.bfloat16)})
+        with pytest.raises(FingerprintMismatch, match="anchor"):
+            applier.validate(read_header(data))
+
+    def test_tensor_mismatch_with_forged_fingerprint(self) -> None:
+        data, base, _ = make_delta()
+        applier = TorchModuleApplier(base)
+        forged = rebuild(data, edit_entry("norm.weight", shape=[2, 4]))
+        forged = rebuild(forged, lambda t, m: m.update(fingerprint=applier.fingerprint))
+        with pytest.raises(TensorMismatch, match="norm.weight"):
+            applier.validate(read_header(forged))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzzed_files_raise_only_typed_errors(data: st.DataObject) -> None:
+    """Any corruption either decodes or raises a DeltaSyncError; nothing else escapes."""
+    codec = data.draw(st.sampled_from(["compact", "raw", "compact-abs"]))
+    original, base, _ = make_delta(codec)
+    buf = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 8))):
+        pos = data.draw(st.integers(0, len(buf) - 1))
+        buf[pos] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        buf = buf[: data.draw(st.integers(0, len(buf)))]
+    try:
+        header, patches = decode(bytes(buf), base=TorchModuleApplier(base).lookup)
+        TorchModuleApplier(base).validate(header)
+    except DeltaSyncError:
+        pass
