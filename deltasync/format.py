@@ -16,7 +16,9 @@ Reading is split in two so a receiver can refuse a file before decoding it:
 from __future__ import annotations
 
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,7 +29,7 @@ import safetensors.torch
 import torch
 
 from .codec import DEFAULT_CODEC, BaseLookup, Decoded, get_codec
-from .diff import ChangeSet
+from .diff import ChangeSet, TensorChange
 from .errors import CodecError, DeltaFormatError, FingerprintMismatch
 from .tensors import TensorSpec, dtype_from_name, dtype_name, fingerprint
 
@@ -46,7 +48,8 @@ FORMAT_NAME = "deltasync"
 FORMAT_VERSION = 1
 # Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
 MAX_HEADER_BYTES = 64 << 20
-DEFAULT_LEVEL = 3  # zstd level: ~300 MB/s on one core, within a few % of level 9's size here
+DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
+_WORKERS = min(8, os.cpu_count() or 1)
 
 Kind = Literal["delta", "anchor"]
 
@@ -102,6 +105,7 @@ def encode_delta(
     base_version: int,
     codec: str = DEFAULT_CODEC,
     level: int = DEFAULT_LEVEL,
+    workers: int | None = None,
 ) -> bytes:
     """Serialize a change set as a delta file.
 
@@ -111,7 +115,8 @@ def encode_delta(
         base_version (`int`): the version the changes were computed against.
         codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors;
             densely changed tensors always use ``"dense"``.
-        level (`int`, *optional*, defaults to 3): zstd level for compressing codecs.
+        level (`int`, *optional*, defaults to 1): zstd level for compressing codecs.
+        workers (`int`, *optional*): encoding threads; defaults to the CPU count (at most 8).
 
     Returns:
         `bytes`: one safetensors file.
@@ -120,16 +125,22 @@ def encode_delta(
         raise ValueError(f"version {version} must be greater than base_version {base_version}")
     sparse = get_codec(codec)
     dense = get_codec("dense")
-    tensors: dict[str, torch.Tensor] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    for change in changes.changes:
+
+    def encode_one(change: TensorChange) -> tuple[str, Any]:
         chosen = dense if change.dense else sparse
         if not chosen.supports(change):
             chosen = get_codec(DEFAULT_CODEC)
-        encoded = chosen.encode(change, level=level)
-        for part, array in encoded.parts.items():
-            tensors[f"{change.spec.name}::{part}"] = array.contiguous()
-        entries[change.spec.name] = _entry_json(change.spec, chosen.name, change.nnz, encoded.params)
+        return chosen.name, chosen.encode(change, level=level)
+
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    # numpy and zstd release the GIL on large arrays, so tensors encode in parallel.
+    with ThreadPoolExecutor(max_workers=workers or _WORKERS) as pool:
+        results = pool.map(encode_one, changes.changes)
+        for change, (name, encoded) in zip(changes.changes, results):
+            for part, array in encoded.parts.items():
+                tensors[f"{change.spec.name}::{part}"] = array.contiguous()
+            entries[change.spec.name] = _entry_json(change.spec, name, change.nnz, encoded.params)
     meta = _metadata("delta", version, base_version, changes.specs, entries)
     return safetensors.torch.save(tensors, metadata=meta)
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.diff import Snapshot, diff
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltasync.diff import Snapshot, _flat_nonzero, diff
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import bits_view, fingerprint
 
@@ -146,3 +149,11 @@ def test_diff_on_cuda_device() -> None:
     weights["w"][[1, 1 << 19]] = 2.0
     change = diff(snap, weights).changes[0]
     assert change.indices.tolist() == [1, 1 << 19] and change.indices.device.type == "cpu"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), density=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_flat_nonzero_matches_nonzero(n: int, density: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, generator=gen) < density
+    assert torch.equal(_flat_nonzero(mask), mask.nonzero().view(-1))

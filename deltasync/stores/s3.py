@@ -27,6 +27,7 @@ Limitations:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -47,6 +48,15 @@ T = TypeVar("T")
 # http_backoff): up to 4 retries, 0.25 s doubling to at most 8 s, and a 2-minute
 # budget, well below the 5 minutes a SigV4 signature stays valid.
 RETRY_TIMEOUT = timedelta(minutes=2)
+_DEFAULT_RETRY: dict[str, Any] = {
+    "max_retries": RETRY_ATTEMPTS - 1,
+    "backoff": {
+        "init_backoff": timedelta(seconds=RETRY_BASE_DELAY),
+        "max_backoff": timedelta(seconds=RETRY_MAX_DELAY),
+        "base": 2,
+    },
+    "retry_timeout": RETRY_TIMEOUT,
+}
 
 # Error text longer than this is cut: S3 error bodies are XML and can be long.
 _MAX_MESSAGE = 600
@@ -158,17 +168,7 @@ class S3Store(Store):
             client["allow_http"] = allow_http
         _check_http(config.get("endpoint"), client)
 
-        retry: dict[str, Any] = {
-            "max_retries": RETRY_ATTEMPTS - 1,
-            "backoff": {
-                "init_backoff": timedelta(seconds=RETRY_BASE_DELAY),
-                "max_backoff": timedelta(seconds=RETRY_MAX_DELAY),
-                "base": 2,
-            },
-            "retry_timeout": RETRY_TIMEOUT,
-        }
-        retry.update(retry_config or {})
-
+        retry = {**_DEFAULT_RETRY, **(retry_config or {})}
         self._store: Any = _build_client(bucket, prefix, config, client, retry, self._redact, self.url)
 
     @classmethod
@@ -263,10 +263,8 @@ class S3Store(Store):
     def delete(self, key: str) -> None:
         check_key(key)
         obs = _obstore()
-        try:
+        with contextlib.suppress(ObjectNotFound):  # some S3-compatible stores 404 a missing key
             self._call("delete", key, lambda: obs.delete(self._store, key))
-        except ObjectNotFound:
-            pass
 
     def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
         """Read ``key`` unless its etag still equals ``etag``: a conditional GET (304, no body)."""
@@ -297,7 +295,7 @@ class S3Store(Store):
             return fn()
         except DeltaSyncError:
             raise
-        except Exception as exc:  # noqa: BLE001 - every client failure is translated
+        except Exception as exc:  # any client failure, translated below
             error = self._translate(op, key, exc)
         raise error
 
@@ -344,7 +342,7 @@ def _build_client(
         return obstore_store.S3Store(
             bucket, prefix=prefix or None, config=config, client_options=client or None, retry_config=retry
         )
-    except Exception as exc:  # noqa: BLE001 - rebuilt below, without the unredacted cause
+    except Exception as exc:  # rebuilt below, without the unredacted cause
         message = f"cannot configure {url}: {redact(_first_part(str(exc)))}"
     raise ValueError(message)
 

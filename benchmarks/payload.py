@@ -1,0 +1,220 @@
+"""Payload and codec speed on real deltas: SmolLM2-135M fine-tuned with AdamW at an RL learning rate.
+
+For every optimizer step it measures, on the same change set:
+
+- sparsity, and bytes for dense bf16, for ``raw`` (int32 + bf16, the public TRL
+  prototype's layout) and for each compact codec;
+- detection + encoding time next to a bare ``torch.ne`` pass over the same
+  bf16 tensors (and a bare cast + ``torch.ne`` from the fp32 masters);
+- decode (+ validate) and in-place apply time per codec;
+- a bit-exact check of a replica that applied every delta.
+
+Writes ``benchmarks/results/payload.json`` and prints a markdown table.
+
+    python benchmarks/payload.py            # 8 steps at lr 3e-6
+    python benchmarks/payload.py --quick    # 3 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import best_of, human_bytes, machine, median, table, timed, write_json  # noqa: E402
+
+from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.diff import Snapshot, diff  # noqa: E402
+from deltasync.format import decode, encode_delta  # noqa: E402
+from deltasync.models import load_smollm2  # noqa: E402
+from deltasync.tensors import bits_view  # noqa: E402
+
+CODECS = ["raw", "compact-abs", "compact"]
+DEFAULT_CODEC = "compact"
+PROMPTS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Name a prime number greater than ten.", "Eleven is a prime number greater than ten."),
+    ("What colour is the sky on a clear day?", "On a clear day the sky is blue."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("Translate 'thank you' into French.", "'Thank you' in French is 'merci'."),
+    ("What is two plus three?", "Two plus three is five."),
+    ("Which planet is known as the red planet?", "Mars is known as the red planet."),
+    ("What do bees make?", "Bees make honey."),
+]
+
+
+def training_batches(tokenizer: Any, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Chat-formatted prompt/answer pairs as causal-LM batches (padding masked out of the loss)."""
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+        )
+        for q, a in PROMPTS
+    ]
+    batches = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        batches.append({**enc, "labels": labels})
+    return batches
+
+
+def bare_ne(current: dict[str, torch.Tensor], snapshot: Snapshot) -> None:
+    for name, tensor in current.items():
+        torch.ne(bits_view(tensor), bits_view(snapshot[name]))
+
+
+def cast_ne(model: torch.nn.Module, snapshot: Snapshot) -> None:
+    for name, param in model.named_parameters():
+        torch.ne(bits_view(param.detach().to(torch.bfloat16)), bits_view(snapshot[name]))
+
+
+def measure_step(model: torch.nn.Module, snapshot: Snapshot, applier: TorchModuleApplier, version: int) -> dict[str, Any]:
+    """Everything measured for one published version."""
+    current = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    t_ne = best_of(lambda: bare_ne(current, snapshot), 3)
+    t_cast_ne = best_of(lambda: cast_ne(model, snapshot), 3)
+    t_diff, changes = timed(lambda: diff(snapshot, model))
+    row: dict[str, Any] = {
+        "version": version,
+        "numel": changes.numel,
+        "nnz": changes.nnz,
+        "sparsity": 1 - changes.density,
+        "dense_bytes": 2 * changes.numel,
+        "t_ne": t_ne,
+        "t_cast_ne": t_cast_ne,
+        "t_diff": t_diff,
+        "codecs": {},
+    }
+    files = {}
+    for codec in CODECS:
+        t_enc, data = timed(lambda: encode_delta(changes, version=version, base_version=version - 1, codec=codec))
+        t_dec, (header, patches) = timed(lambda: decode(data, base=applier.lookup))
+        files[codec] = (header, patches)
+        row["codecs"][codec] = {"bytes": len(data), "t_encode": t_enc, "t_decode": t_dec}
+    header, patches = files[DEFAULT_CODEC]
+    applier.validate(header)
+    row["t_apply"], _ = timed(lambda: applier.apply(patches))
+    snapshot.advance(changes)
+    row["exact"] = all(
+        torch.equal(bits_view(t), bits_view(current[n])) for n, t in applier.state().items()
+    )
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    raw = median([r["codecs"]["raw"]["bytes"] for r in rows])
+    out: dict[str, Any] = {
+        "sparsity": median([r["sparsity"] for r in rows]),
+        "dense_bytes": rows[0]["dense_bytes"],
+        "t_ne": median([r["t_ne"] for r in rows]),
+        "t_cast_ne": median([r["t_cast_ne"] for r in rows]),
+        "t_diff": median([r["t_diff"] for r in rows]),
+        "t_apply": median([r["t_apply"] for r in rows]),
+        "all_exact": all(r["exact"] for r in rows),
+        "codecs": {},
+    }
+    for codec in CODECS:
+        size = median([r["codecs"][codec]["bytes"] for r in rows])
+        t_enc = median([r["codecs"][codec]["t_encode"] for r in rows])
+        t_dec = median([r["codecs"][codec]["t_decode"] for r in rows])
+        detect_encode = median([r["t_diff"] + r["codecs"][codec]["t_encode"] for r in rows])
+        out["codecs"][codec] = {
+            "bytes": size,
+            "vs_raw": size / raw,
+            "dense_over": rows[0]["dense_bytes"] / size,
+            "t_encode": t_enc,
+            "t_decode": t_dec,
+            "detect_encode_elems_per_s": rows[0]["numel"] / detect_encode,
+            "encode_changed_per_s": median([r["nnz"] for r in rows]) / t_enc,
+            "decode_changed_per_s": median([r["nnz"] for r in rows]) / t_dec,
+            "speed_vs_ne": out["t_ne"] / detect_encode,
+            "speed_vs_cast_ne": out["t_cast_ne"] / detect_encode,
+        }
+    return out
+
+
+def print_report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    per_step = table(
+        [
+            [r["version"], f"{100 * r['sparsity']:.3f} %", human_bytes(r["dense_bytes"]),
+             *(human_bytes(r["codecs"][c]["bytes"]) for c in CODECS), "yes" if r["exact"] else "NO"]
+            for r in rows
+        ],
+        ["step", "sparsity", "dense bf16", *CODECS, "bit-exact"],
+    )
+    codecs = table(
+        [
+            [c, human_bytes(s["bytes"]), f"{100 * s['vs_raw']:.1f} %", f"{s['dense_over']:.0f}x",
+             f"{s['detect_encode_elems_per_s'] / 1e6:.0f} M/s", f"{s['speed_vs_ne']:.2f}",
+             f"{s['speed_vs_cast_ne']:.2f}", f"{s['decode_changed_per_s'] / 1e6:.1f} M/s"]
+            for c, s in summary["codecs"].items()
+        ],
+        ["codec", "median bytes", "vs raw", "dense / codec", "detect+encode", "speed vs ne",
+         "vs cast+ne", "decode (changed/s)"],
+    )
+    report = f"{per_step}\n\n{codecs}\n"
+    print(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="3 steps")
+    parser.add_argument("--out", default="payload", help="results file name (without .json)")
+    args = parser.parse_args(argv)
+    steps = 3 if args.quick else args.steps
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+
+    print(f"loading SmolLM2-135M-Instruct (fp32 masters), AdamW lr={args.lr}, {steps} steps ...", flush=True)
+    model, tokenizer = load_smollm2(dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    batches = training_batches(tokenizer, args.batch_size)
+    snapshot = Snapshot.capture(model)
+    replica = {name: t.clone() for name, t in snapshot.items()}
+    applier = TorchModuleApplier(replica)
+
+    rows = []
+    for step in range(1, steps + 1):
+        t_train, loss = timed(lambda: train_step(model, optimizer, batches[(step - 1) % len(batches)]))
+        row = measure_step(model, snapshot, applier, step)
+        row.update(loss=loss, t_train=t_train)
+        rows.append(row)
+        c = row["codecs"]
+        print(
+            f"step {step}/{steps}: loss {loss:.3f}, sparsity {100 * row['sparsity']:.3f} %, "
+            f"raw {human_bytes(c['raw']['bytes'])}, compact {human_bytes(c['compact']['bytes'])}, "
+            f"diff {1e3 * row['t_diff']:.0f} ms vs ne {1e3 * row['t_ne']:.0f} ms, exact={row['exact']}",
+            flush=True,
+        )
+    summary = summarize(rows)
+    report = print_report(summary, rows)
+    path = write_json(args.out, {
+        "benchmark": "payload", "model": "SmolLM2-135M-Instruct", "lr": args.lr, "optimizer": "AdamW",
+        "master_dtype": "float32", "steps": steps, "machine": machine(), "summary": summary, "rows": rows,
+        "table": report,
+    })
+    print(f"wrote {path}")
+    return summary
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""HF bucket store beyond the conformance suite: URLs, secrets, best-effort conditions, big objects.
+
+Everything runs the real huggingface_hub + hf_xet clients against the loopback fake Hub in
+``tests/servers/hf.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from deltasync.errors import ObjectNotFound, PreconditionFailed, StoreError
+from deltasync.stores import open_store
+from deltasync.stores.hf import HFBucketStore, parse_bucket_url
+from tests.servers.hf import DEFAULT_BUCKET, FakeHub, serve
+
+pytest.importorskip("huggingface_hub")
+pytest.importorskip("hf_xet")
+
+SECRET = "hf_THIS_token_must_never_leak_0123456789"
+BIG = 8 * 1024 * 1024  # several xet chunks (~64 KiB each) and more than one xorb range
+
+
+@pytest.fixture
+def hub(servers: dict[str, Any]) -> FakeHub:
+    return servers["get"]("hf")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def store(hub: FakeHub) -> Iterator[HFBucketStore]:
+    s = open_store(hub.store_url(f"run-{uuid.uuid4().hex[:8]}"), **hub.store_options())
+    assert isinstance(s, HFBucketStore)
+    yield s
+    s.close()
+
+
+def _payload(size: int, seed: int) -> bytes:
+    # Not os.urandom: reproducible, and bf16-like (low bytes vary, high bytes repeat), as deltas are.
+    import numpy as np
+
+    return np.random.default_rng(seed).normal(0, 0.02, size // 4).astype(np.float32).tobytes()
+
+
+class TestUrls:
+    @pytest.mark.parametrize(
+        ("url", "bucket", "prefix"),
+        [
+            ("hf://buckets/my-org/rl-weights", "my-org/rl-weights", ""),
+            ("hf://buckets/my-org/rl-weights/", "my-org/rl-weights", ""),
+            ("hf://buckets/u/b.v2/runs/1/", "u/b.v2", "runs/1"),
+            ("hf://buckets/u/b/run=7@x", "u/b", "run=7@x"),
+        ],
+    )
+    def test_good(self, url: str, bucket: str, prefix: str) -> None:
+        assert parse_bucket_url(url) == (bucket, prefix)
+
+    @pytest.mark.parametrize(
+        ("url", "match"),
+        [
+            ("hf://my-org/my-model", "not an HF bucket URL.*repos are not stores"),
+            ("s3://bucket/prefix", "not an HF bucket URL"),
+            ("hf://buckets/only-namespace", "invalid bucket name ''"),
+            ("hf://buckets//name", "invalid namespace ''"),
+            ("hf://buckets/ns/bad name", "invalid bucket name 'bad name'"),
+            ("hf://buckets/ns/-dash", "invalid bucket name"),
+            ("hf://buckets/ns/name/../escape", "invalid prefix '../escape'"),
+            ("hf://buckets/ns/name/a//b", "invalid prefix 'a//b'"),
+            ("hf://buckets/ns/name/a?b=1", "invalid prefix"),
+        ],
+    )
+    def test_bad(self, url: str, match: str) -> None:
+        with pytest.raises(ValueError, match=match) as info:
+            HFBucketStore.from_url(url)
+        assert "hf://buckets/<namespace>/<name>[/<prefix>]" in str(info.value)  # says how to fix it
+
+    def test_store_root(self, hub: FakeHub) -> None:
+        s = HFBucketStore.from_url(hub.store_url("runs/7/"), **hub.store_options())
+        assert (s.url, s.bucket_id, s.prefix) == (f"hf://buckets/{DEFAULT_BUCKET}/runs/7", DEFAULT_BUCKET, "runs/7")
+        assert s.scheme == "hf" and s.conditional_writes is False
+
+    def test_sibling_prefix_does_not_leak(self, hub: FakeHub) -> None:
+        # The Hub's tree prefix is lexical: "run-1" also matches "run-10/...".
+        base = f"sib-{uuid.uuid4().hex[:6]}"
+        one = open_store(hub.store_url(f"{base}/run-1"), **hub.store_options())
+        ten = open_store(hub.store_url(f"{base}/run-10"), **hub.store_options())
+        one.put("m", b"1")
+        ten.put("m", b"10")
+        assert [i.key for i in one.list()] == ["m"]
+        assert one.get("m") == b"1"
+
+
+    def test_endpoint_and_token_from_environment(self, hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_TOKEN", hub.store_options()["token"])
+        s = open_store(hub.store_url(f"env-{uuid.uuid4().hex[:6]}"))
+        assert s.put("k", b"v").size == 1 and s.get("k") == b"v"
+        assert abs(s.head("k").modified - time.time()) < 60  # type: ignore[operator]
+
+
+class TestSecrets:
+    def _failing_store(self, hub: FakeHub) -> HFBucketStore:
+        s = open_store(hub.store_url("secret-run"), endpoint=hub.endpoint, token=SECRET)
+        assert isinstance(s, HFBucketStore)
+        return s
+
+    def test_not_in_repr(self, hub: FakeHub) -> None:
+        s = self._failing_store(hub)
+        for text in (repr(s), str(s), s.url):
+            assert SECRET not in text
+        assert repr(s) == f"HFBucketStore('hf://buckets/{DEFAULT_BUCKET}/secret-run', endpoint={hub.endpoint!r})"
+
+    def test_fake_echoes_the_token(self, hub: FakeHub) -> None:
+        # Makes the next test meaningful: the raw client error does quote the rejected token.
+        from huggingface_hub import HfApi
+
+        with pytest.raises(Exception) as info:
+            list(HfApi(endpoint=hub.endpoint, token=SECRET).get_bucket_paths_info(DEFAULT_BUCKET, ["x"]))
+        assert SECRET in str(info.value)
+
+    @pytest.mark.parametrize(
+        "operation",
+        [
+            lambda s: s.put("k", b"data"),
+            lambda s: s.get("k"),
+            lambda s: s.get_range("k", 0, 1),  # a HEAD: the server message travels in a header
+            lambda s: s.head("k"),
+            lambda s: list(s.list()),
+            lambda s: s.delete("k"),
+        ],
+        ids=["put", "get", "get_range", "head", "list", "delete"],
+    )
+    def test_not_in_errors_or_logs(self, hub: FakeHub, operation: Any, caplog: pytest.LogCaptureFixture) -> None:
+        caplog.set_level(logging.DEBUG)
+        with pytest.raises(StoreError) as info:
+            operation(self._failing_store(hub))
+        err = info.value
+        assert err.context["backend"] == "hf" and "401" in str(err)  # hf_xet's errors carry no status attribute
+        texts = [str(err), repr(err), "".join(traceback.format_exception(err)), caplog.text]
+        for text in texts:
+            assert SECRET not in text
+        assert SECRET.encode() not in pickle.dumps(err)
+        if err.__cause__ is not None:  # chained only when the client's own error is clean
+            assert SECRET not in "".join(traceback.format_exception(err.__cause__))
+
+
+class TestBestEffortConditions:
+    def test_create_only_refuses_existing(self, store: HFBucketStore) -> None:
+        store.put("lease", b"a", mode="create")
+        with pytest.raises(PreconditionFailed, match="already exists.*best-effort") as info:
+            store.put("lease", b"b", mode="create")
+        assert info.value.context == {"key": "lease", "backend": "hf"}
+        assert store.get("lease") == b"a"
+
+    def test_if_match(self, store: HFBucketStore) -> None:
+        first = store.put("manifest.json", b"v1")
+        second = store.put("manifest.json", b"v2", if_match=first.etag)
+        with pytest.raises(PreconditionFailed, match="changed since it was read"):
+            store.put("manifest.json", b"v3", if_match=first.etag)
+        with pytest.raises(PreconditionFailed, match="missing"):
+            store.put("absent", b"x", if_match=second.etag)
+        assert store.get("manifest.json") == b"v2"
+
+    def test_etag_is_the_content_hash(self, store: HFBucketStore) -> None:
+        a = store.put("x", b"same bytes")
+        b = store.put("y", b"same bytes")
+        assert a.etag == b.etag and a.etag is not None and len(a.etag) == 64
+
+
+class TestBigObjects:
+    def test_multi_megabyte_round_trip(self, store: HFBucketStore, hub: FakeHub) -> None:
+        data = _payload(BIG, seed=1)
+        info = store.put("anchors/000000.safetensors", data)
+        assert info.size == len(data) == store.head("anchors/000000.safetensors").size
+        assert store.get("anchors/000000.safetensors") == data
+
+    def test_ranged_read_is_a_ranged_download(self, store: HFBucketStore, hub: FakeHub) -> None:
+        data = _payload(BIG, seed=2)
+        store.put("big", data)
+        before = len(hub.calls)
+        start, end = 3_000_000, 3_000_000 + 300_000  # spans several chunks
+        assert store.get_range("big", start, end) == data[start:end]
+        calls = hub.calls[before:]
+        assert any(c.startswith("HEAD ") and "/resolve/" in c for c in calls)
+        assert not any("paths-info" in c for c in calls)  # not the download-then-slice fallback
+        assert store.get_range("big", BIG - 5, BIG + 100) == data[-5:]  # clamped like a slice
+        assert store.get_range("big", BIG + 10, BIG + 20) == b""
+
+    def test_read_after_overwrite_sees_new_bytes(self, store: HFBucketStore, hub: FakeHub) -> None:
+        old = _payload(BIG, seed=3)
+        new = bytearray(old)
+        new[BIG // 2] ^= 0xFF  # one byte: xet dedups all but one chunk, the read must still differ
+        other = open_store(store.url, **hub.store_options())  # a second reader, like a subscriber
+        first = store.put("manifest.json", old)
+        assert other.get("manifest.json") == old
+        second = store.put("manifest.json", bytes(new))
+        assert second.etag != first.etag
+        assert other.get("manifest.json") == bytes(new)
+        assert store.get_range("manifest.json", BIG // 2 - 2, BIG // 2 + 2) == bytes(new[BIG // 2 - 2 : BIG // 2 + 2])
+        store.put("manifest.json", b"short")
+        assert other.get("manifest.json") == b"short"
+        changed = other.get_if_changed("manifest.json", second.etag)
+        assert changed is not None and changed[0] == b"short"
+
+
+class TestBuckets:
+    def test_missing_bucket_says_how_to_fix(self, hub: FakeHub) -> None:
+        s = open_store(hub.store_url("p", bucket="deltasync/nope"), **hub.store_options())
+        with pytest.raises(StoreError, match="create=True") as info:
+            s.head("k")
+        assert not isinstance(info.value, ObjectNotFound)  # a missing bucket is not a missing key
+
+    def test_create(self, hub: FakeHub) -> None:
+        bucket = f"deltasync/new-{uuid.uuid4().hex[:6]}"
+        s = open_store(hub.store_url("run", bucket=bucket), create=True, **hub.store_options())
+        s.put("k", b"v")
+        assert s.get("k") == b"v"
+        open_store(hub.store_url("run", bucket=bucket), create=True, **hub.store_options())  # exists: fine
+        assert f"POST /api/buckets/{bucket}" in hub.calls
+
+    def test_missing_and_empty(self, store: HFBucketStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            store.get_range("nope", 0, 10)
+        store.delete("nope")
+        store.put("empty", b"")
+        assert store.get_range("empty", 0, 10) == b""
+        with pytest.raises(ValueError, match="bad byte range"):
+            store.get_range("empty", 5, 2)
+
+
+def test_serve_leaves_environment_alone() -> None:
+    before = dict(os.environ)
+    with serve() as hub:
+        s = open_store(hub.store_url("env"), **hub.store_options())
+        s.put("k", b"v")
+        assert s.get("k") == b"v"
+    assert dict(os.environ) == before
