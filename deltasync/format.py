@@ -19,7 +19,7 @@ import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -145,16 +145,29 @@ def encode_delta(
     return safetensors.torch.save(tensors, metadata=meta)
 
 
-def encode_anchor(source: Mapping[str, torch.Tensor], *, version: int) -> bytes:
+def encode_anchor(
+    source: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    model: Sequence[TensorSpec] | None = None,
+) -> bytes:
     """Serialize full tensors (in their published dtype) as an anchor file.
 
     The entries are the tensors under their own names, so an anchor is also an
     ordinary safetensors checkpoint.
+
+    Args:
+        source (`Mapping[str, Tensor]`): the tensors this file carries.
+        version (`int`): the version the weights belong to.
+        model (`Sequence[TensorSpec]`, *optional*): every tensor of the model, when
+            ``source`` is one part of a larger anchor; fingerprint and ``numel``
+            describe the whole model.
     """
     specs = tuple(TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items())
     entries = {s.name: _entry_json(s, "dense", s.numel, {}) for s in specs}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
-    return safetensors.torch.save(tensors, metadata=_metadata("anchor", version, None, specs, entries))
+    meta = _metadata("anchor", version, None, tuple(model) if model is not None else specs, entries)
+    return safetensors.torch.save(tensors, metadata=meta)
 
 
 def _entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any]) -> dict[str, Any]:
@@ -243,8 +256,6 @@ def _parse_header(meta: dict[str, Any]) -> Header:
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
     numel = int(meta["numel"])
-    if kind == "anchor" and fingerprint(e.spec for e in tensors.values()) != meta["fingerprint"]:
-        raise DeltaFormatError("anchor fingerprint does not match its own tensors")
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
 
 

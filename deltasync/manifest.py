@@ -1,0 +1,384 @@
+"""The manifest: the one agreement between a trainer and its replicas.
+
+``manifest.json`` at the run prefix lists every available version, where its
+objects are, their sizes and hashes, and which writer owns the prefix. It is
+written last (invariant 3): a version appears only once all of its objects are
+in the store, so a reader never sees a version it cannot fetch.
+
+Everything here is pure: parsing and validating (keys cannot escape the
+prefix, versions only go forward), planning the cheapest route from a
+replica's version to the latest, and planning retention. The publisher and the
+subscriber do the I/O.
+
+Schema changes only add fields with defaults; ``tests/golden/manifest_v1.json``
+keeps old manifests readable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from .errors import ManifestError
+from .stores.base import check_key
+
+__all__ = [
+    "MANIFEST_KEY",
+    "ObjectRef",
+    "VersionEntry",
+    "Manifest",
+    "Step",
+    "Plan",
+    "plan_route",
+    "plan_retention",
+]
+
+MANIFEST_KEY = "manifest.json"
+SCHEMA = 1
+FORMAT = "deltasync-manifest"
+# Objects dropped from the manifest stay this long before deletion, so a replica
+# that read the previous manifest can still finish its download.
+RETIRE_GRACE_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """One immutable object in the store."""
+
+    key: str
+    """Key relative to the run prefix (validated: no traversal, no URLs)."""
+    size: int
+    """Exact size in bytes."""
+    sha256: str
+    """Hex SHA-256 of the bytes."""
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        if not isinstance(self.size, int) or self.size < 0:
+            raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
+        if not isinstance(self.sha256, str) or len(self.sha256) != 64:
+            raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ObjectRef:
+        if not isinstance(raw, dict):
+            raise ManifestError("object reference must be a JSON object")
+        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEntry:
+    """One published version: a delta from ``version - 1``, an anchor, or both."""
+
+    version: int
+    """Version number; consecutive versions differ by one publish."""
+    step: int | None = None
+    """Trainer step the weights come from."""
+    time: float = 0.0
+    """Publish time (seconds since the epoch, the writer's clock)."""
+    nnz: int = 0
+    """Elements changed since ``version - 1`` (all elements for a bare anchor)."""
+    delta: tuple[ObjectRef, ...] = ()
+    """Delta object(s) from ``version - 1``; empty when only an anchor exists."""
+    anchor: tuple[ObjectRef, ...] = ()
+    """Anchor object(s): the full weights at ``version``, split in parts."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or self.version < 0:
+            raise ManifestError(f"bad version {self.version!r}")
+        if not self.delta and not self.anchor:
+            raise ManifestError(f"version {self.version} has neither delta nor anchor", version=self.version)
+        if self.delta and self.version == 0:
+            raise ManifestError("version 0 cannot be a delta", version=0)
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(o.size for o in self.delta)
+
+    @property
+    def anchor_bytes(self) -> int:
+        return sum(o.size for o in self.anchor)
+
+    def objects(self) -> tuple[ObjectRef, ...]:
+        return self.delta + self.anchor
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version, "step": self.step, "time": self.time, "nnz": self.nnz}
+        if self.delta:
+            out["delta"] = [o.to_json() for o in self.delta]
+        if self.anchor:
+            out["anchor"] = [o.to_json() for o in self.anchor]
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> VersionEntry:
+        if not isinstance(raw, dict):
+            raise ManifestError("version entry must be a JSON object")
+        refs = {k: tuple(ObjectRef.from_json(o) for o in _list(raw.get(k, []), k)) for k in ("delta", "anchor")}
+        step = raw.get("step")
+        if step is not None and not isinstance(step, int):
+            raise ManifestError(f"bad step {step!r}")
+        return cls(
+            version=_int(raw.get("version"), "version"),
+            step=step,
+            time=float(raw.get("time", 0.0)),
+            nnz=_int(raw.get("nnz", 0), "nnz"),
+            delta=refs["delta"],
+            anchor=refs["anchor"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """The state of a run prefix."""
+
+    run_id: str
+    """Identity of the version chain; a new chain gets a new id."""
+    fingerprint: str
+    """Model fingerprint every object must carry."""
+    numel: int
+    """Elements in the model."""
+    writer: str
+    """Id of the publisher that owns the prefix."""
+    lease_until: float
+    """Until when ``writer`` holds the prefix without renewing (epoch seconds)."""
+    versions: tuple[VersionEntry, ...] = ()
+    """Available versions, ascending."""
+    retired: tuple[tuple[str, float], ...] = ()
+    """Keys dropped from ``versions`` and when; deleted after a grace period."""
+    updated: float = 0.0
+    """Time of this write."""
+    schema: int = SCHEMA
+    """Manifest schema revision."""
+
+    def __post_init__(self) -> None:
+        numbers = [v.version for v in self.versions]
+        if numbers != sorted(set(numbers)):
+            raise ManifestError("manifest versions must be strictly increasing")
+        if self.versions and not self.versions[0].anchor:
+            raise ManifestError("the oldest listed version must have an anchor")
+
+    @property
+    def latest(self) -> int | None:
+        """Newest version, or ``None`` before the first publish."""
+        return self.versions[-1].version if self.versions else None
+
+    def entry(self, version: int) -> VersionEntry | None:
+        """The entry of ``version`` if listed."""
+        for v in reversed(self.versions):
+            if v.version == version:
+                return v
+        return None
+
+    def anchors(self) -> list[VersionEntry]:
+        """Versions that have an anchor, ascending."""
+        return [v for v in self.versions if v.anchor]
+
+    def with_version(self, entry: VersionEntry, *, now: float, lease_s: float) -> Manifest:
+        """A copy with ``entry`` appended and the lease renewed."""
+        if self.latest is not None and entry.version <= self.latest:
+            raise ManifestError(f"version {entry.version} does not follow {self.latest}", version=entry.version)
+        return replace(self, versions=self.versions + (entry,), updated=now, lease_until=now + lease_s)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "schema": self.schema,
+            "run_id": self.run_id,
+            "fingerprint": self.fingerprint,
+            "numel": self.numel,
+            "writer": self.writer,
+            "lease_until": self.lease_until,
+            "updated": self.updated,
+            "latest": self.latest,
+            "versions": [v.to_json() for v in self.versions],
+            "retired": [[k, t] for k, t in self.retired],
+        }
+        return json.dumps(body, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Parse and validate a manifest.
+
+        Raises:
+            `ManifestError`: malformed JSON, unknown schema, unsafe keys, versions out of order.
+        """
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ManifestError("not a deltasync manifest (missing format 'deltasync-manifest')")
+        schema = raw.get("schema")
+        if not isinstance(schema, int) or schema > SCHEMA or schema < 1:
+            raise ManifestError(f"manifest schema {schema!r} is not supported; upgrade deltasync")
+        try:
+            retired = tuple((check_key(k), float(t)) for k, t in _list(raw.get("retired", []), "retired"))
+            return cls(
+                run_id=str(raw["run_id"]),
+                fingerprint=str(raw["fingerprint"]),
+                numel=_int(raw["numel"], "numel"),
+                writer=str(raw["writer"]),
+                lease_until=float(raw.get("lease_until", 0.0)),
+                versions=tuple(VersionEntry.from_json(v) for v in _list(raw.get("versions", []), "versions")),
+                retired=retired,
+                updated=float(raw.get("updated", 0.0)),
+                schema=schema,
+            )
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"malformed manifest: {exc!r}") from None
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(f"manifest field {what!r} must be a list")
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ManifestError(f"manifest field {what!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One hop of a plan: apply ``objects`` to reach ``version``."""
+
+    version: int
+    kind: Literal["delta", "anchor"]
+    objects: tuple[ObjectRef, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The cheapest route from a replica's version to a target version."""
+
+    start: int | None
+    """The replica's version (``None``: no weights from this run yet)."""
+    target: int
+    """The version the plan ends at."""
+    steps: tuple[Step, ...] = field(default_factory=tuple)
+    """Hops in order; empty when already at ``target``."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes to download."""
+        return sum(s.nbytes for s in self.steps)
+
+
+def plan_route(manifest: Manifest, current: int | None, *, avoid: Iterable[str] = ()) -> Plan | None:
+    """Cheapest route (fewest bytes) from ``current`` to the latest version.
+
+    Candidates are the delta chain from ``current`` and, for each anchor at or
+    after it, that anchor plus the deltas after it. Objects in ``avoid`` (keys
+    that failed verification) are never used.
+
+    Returns:
+        `Plan`, or ``None`` when the latest version is unreachable (no usable anchor).
+    """
+    latest = manifest.latest
+    if latest is None:
+        return None
+    if current == latest:
+        return Plan(current, latest)
+    bad = set(avoid)
+    by_version = {v.version: v for v in manifest.versions}
+    usable = lambda refs: bool(refs) and not any(o.key in bad for o in refs)  # noqa: E731
+
+    def chain(start: int) -> list[Step] | None:
+        hops = []
+        for number in range(start + 1, latest + 1):
+            entry = by_version.get(number)
+            if entry is None or not usable(entry.delta):
+                return None
+            hops.append(Step(number, "delta", entry.delta))
+        return hops
+
+    candidates: list[list[Step]] = []
+    if current is not None and current < latest:
+        hops = chain(current)
+        if hops is not None:
+            candidates.append(hops)
+    for entry in manifest.anchors():
+        if current is not None and current <= latest and entry.version <= current:
+            continue  # never go back to an anchor older than the weights we hold
+        if usable(entry.anchor):
+            rest = chain(entry.version)
+            if rest is not None:
+                candidates.append([Step(entry.version, "anchor", entry.anchor), *rest])
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda hops: (sum(s.nbytes for s in hops), len(hops)))
+    return Plan(current, latest, tuple(best))
+
+
+def plan_retention(manifest: Manifest, *, keep_anchors: int, now: float) -> Manifest:
+    """Drop versions older than the ``keep_anchors``-th newest anchor.
+
+    Every replica can still reach the latest version from any kept anchor, and
+    from any kept version by deltas. Dropped objects go to ``retired`` and are
+    deleted by :func:`deletable` after :data:`RETIRE_GRACE_S`.
+    """
+    anchors = manifest.anchors()
+    if keep_anchors < 1:
+        raise ValueError("keep_anchors must be at least 1")
+    if len(anchors) <= keep_anchors:
+        return manifest
+    oldest_kept = anchors[-keep_anchors].version
+    kept, dropped = [], []
+    for entry in manifest.versions:
+        (kept if entry.version >= oldest_kept else dropped).append(entry)
+    if kept and kept[0].delta:  # the new oldest version is reached by its anchor only
+        first = kept[0]
+        dropped.append(VersionEntry(first.version, delta=first.delta))
+        kept[0] = replace(first, delta=())
+    retired = manifest.retired + tuple((o.key, now) for e in dropped for o in e.objects())
+    return replace(manifest, versions=tuple(kept), retired=retired)
+
+
+def deletable(manifest: Manifest, *, now: float, grace: float = RETIRE_GRACE_S) -> tuple[list[str], Manifest]:
+    """Retired keys whose grace period is over, and the manifest without them."""
+    due = [k for k, t in manifest.retired if now - t >= grace]
+    keep = tuple((k, t) for k, t in manifest.retired if now - t < grace)
+    return due, replace(manifest, retired=keep)
+
+
+def referenced_keys(manifest: Manifest) -> set[str]:
+    """Every key the manifest still needs or will delete itself."""
+    keys = {o.key for v in manifest.versions for o in v.objects()}
+    return keys | {k for k, _ in manifest.retired}
+
+
+def new_manifest(*, run_id: str, fingerprint: str, numel: int, writer: str, lease_s: float) -> Manifest:
+    """An empty manifest for a fresh run."""
+    now = time.time()
+    return Manifest(run_id, fingerprint, numel, writer, now + lease_s, updated=now)
+
+
+def replace_manifest(manifest: Manifest, **changes: Any) -> Manifest:
+    """``dataclasses.replace`` for callers that should not import dataclasses."""
+    return replace(manifest, **changes)
+
+
+def summarize(manifest: Manifest) -> Mapping[str, Any]:
+    """Counts and sizes for status displays."""
+    return {
+        "versions": len(manifest.versions),
+        "latest": manifest.latest,
+        "anchors": [v.version for v in manifest.anchors()],
+        "delta_bytes": sum(v.delta_bytes for v in manifest.versions),
+        "anchor_bytes": sum(v.anchor_bytes for v in manifest.versions),
+    }

@@ -1,0 +1,468 @@
+"""Trainer side: diff, encode, upload in the background, commit by manifest.
+
+:meth:`Publisher.publish` diffs the live weights against the last published
+snapshot on the calling thread (it must see consistent weights) and hands the
+change set to one background worker, which encodes it, uploads the objects and
+then writes the manifest (invariant 3). Training continues meanwhile.
+
+If the worker is still busy when the next ``publish`` comes, that publish is
+*coalesced*: nothing is queued, the snapshot still equals the last committed
+version, and the next publish's delta simply covers more steps (invariant 2).
+So a slow or unreachable store costs the trainer no memory beyond one change
+set in flight, and no time beyond the diff (invariant 7). ``flush()`` publishes
+the newest weights if the last call was coalesced, and waits.
+
+Anchors (full checkpoints, split in parts so encoding part k+1 overlaps
+uploading part k) are written on the first publish, every ``anchor_every``
+versions, and whenever the deltas since the last anchor add up to more than
+``anchor_ratio`` of an anchor, which bounds what a new replica downloads. An
+anchor is committed in its own manifest write right after the delta of the
+same version, so existing replicas never wait for it.
+
+One writer owns a run prefix: the manifest records the writer and a lease.
+Manifest writes are compare-and-swap where the backend supports it; elsewhere
+(HF buckets) the writer re-reads the manifest before writing. A second
+publisher on a live prefix gets :class:`~deltasync.errors.ConflictError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .codec import DEFAULT_CODEC
+from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
+from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed
+from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
+from .manifest import (
+    MANIFEST_KEY,
+    Manifest,
+    ObjectRef,
+    VersionEntry,
+    deletable,
+    new_manifest,
+    plan_retention,
+    referenced_keys,
+    replace_manifest,
+)
+from .stores import Store, open_store
+from .tensors import TensorSpec, dtype_name, fingerprint, published_tensors
+
+__all__ = ["Publisher", "PublishInfo", "PublisherStats"]
+
+logger = logging.getLogger("deltasync.publisher")
+
+ANCHOR_EVERY = 100  # versions; the public TRL prototype anchors every 10 syncs, adaptive anchors cover drift
+ANCHOR_RATIO = 1.0  # deltas since the last anchor may add up to one anchor: catch-up <= 2 anchors of bytes
+KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch-up is never stranded
+PART_BYTES = 256 << 20  # anchor part size: large enough for throughput, small enough to pipeline
+LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
+
+
+@dataclass(frozen=True, slots=True)
+class PublishInfo:
+    """What one committed version cost."""
+
+    version: int
+    step: int | None
+    kind: str
+    """``"delta"`` or ``"anchor"`` (an anchor added to an already committed delta is reported separately)."""
+    nnz: int
+    numel: int
+    bytes: int
+    t_diff: float
+    """Seconds the training thread spent (diff or snapshot capture)."""
+    t_encode: float
+    t_upload: float
+    t_total: float
+    """From ``publish()`` to the manifest commit."""
+    coalesced: int
+    """Publishes skipped since the previous commit (covered by this one)."""
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.nnz / self.numel if self.numel else 1.0
+
+    @property
+    def dense_bytes(self) -> int:
+        return 2 * self.numel
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    """Running totals, for logs and status."""
+
+    published: int = 0
+    coalesced: int = 0
+    failed: int = 0
+    bytes: int = 0
+    last: PublishInfo | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+class Publisher:
+    """Publishes a model's weights into a store as exact sparse versions.
+
+    Args:
+        model (`nn.Module` or `Mapping[str, Tensor]`): the trainer's weights (any device, fp32 or bf16).
+        store (`str` or `Store`): where to publish, e.g. ``"./run1"`` or ``"s3://bucket/run1"``.
+        codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors.
+        level (`int`, *optional*): zstd level.
+        dtype (`torch.dtype`, *optional*, defaults to bf16): published dtype (``None``: each tensor's own).
+        anchor_every (`int`, *optional*): anchor at least every this many versions.
+        anchor_ratio (`float`, *optional*): anchor when deltas since the last anchor exceed this fraction of it.
+        keep_anchors (`int`, *optional*): anchors (and the versions after them) kept by retention.
+        takeover (`bool`, *optional*): take the prefix over even if another writer's lease is live.
+        store_options: passed to :func:`open_store` when ``store`` is a URL.
+
+    Example:
+        ```python
+        >>> publisher = Publisher(model, "./run1")
+        >>> for step in range(steps):
+        ...     train_step()
+        ...     publisher.publish(step)      # returns at once; uploads in the background
+        >>> publisher.close()                # publishes the newest weights and waits
+        ```
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        store: str | Store,
+        *,
+        codec: str = DEFAULT_CODEC,
+        level: int = DEFAULT_LEVEL,
+        dtype: torch.dtype | None = torch.bfloat16,
+        anchor_every: int = ANCHOR_EVERY,
+        anchor_ratio: float = ANCHOR_RATIO,
+        keep_anchors: int = KEEP_ANCHORS,
+        part_bytes: int = PART_BYTES,
+        lease_s: float = LEASE_S,
+        takeover: bool = False,
+        chunk: int = DEFAULT_CHUNK,
+        on_publish: Callable[[PublishInfo], None] | None = None,
+        **store_options: Any,
+    ) -> None:
+        if anchor_every < 1 or anchor_ratio <= 0 or keep_anchors < 1 or part_bytes < 1:
+            raise ValueError("anchor_every, anchor_ratio, keep_anchors and part_bytes must be positive")
+        self.model = model
+        self.store = open_store(store, **store_options)
+        self.codec, self.level, self.dtype, self.chunk = codec, level, dtype, chunk
+        self.anchor_every, self.anchor_ratio, self.keep_anchors = anchor_every, anchor_ratio, keep_anchors
+        self.part_bytes, self.lease_s = part_bytes, lease_s
+        self.on_publish = on_publish
+        self.writer = uuid.uuid4().hex
+        self.stats = PublisherStats()
+        self._snapshot: Snapshot | None = None
+        self._manifest: Manifest | None = None
+        self._etag: str | None = None
+        self._takeover = takeover
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-publish")
+        self._uploads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deltasync-upload")
+        self._inflight: Any = None
+        self._pending_step: int | None = None
+        self._dirty = False
+        self._fatal: DeltaSyncError | None = None
+        self._last_error: BaseException | None = None
+        self._coalesced_now = 0
+        self._anchor_version = 0
+        self._since_anchor = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int | None:
+        """The newest committed version, or ``None`` before the first commit."""
+        return self._manifest.latest if self._manifest else None
+
+    def publish(self, step: int | None = None, *, block: bool = False) -> bool:
+        """Publish the current weights as the next version.
+
+        Diffs on the calling thread and returns; encoding and upload run in the
+        background. If the previous publish is still uploading, this one is
+        coalesced into the next (returns ``False``) unless ``block=True``, which
+        waits for it first.
+
+        Returns:
+            `bool`: whether a version was started.
+
+        Raises:
+            `ConflictError`: another writer owns the prefix. `RuntimeError`: closed.
+        """
+        if self._closed:
+            raise RuntimeError("publisher is closed; create a new Publisher")
+        if self._fatal is not None:
+            raise self._fatal
+        if self._inflight is not None and not self._inflight.done():
+            if not block:
+                self.stats.coalesced += 1
+                self._dirty, self._pending_step = True, step
+                return False
+            self._inflight.result()
+        self._raise_worker_error()
+        started = time.perf_counter()
+        if self._snapshot is None:
+            self._open()
+            snapshot = Snapshot.capture(self.model, dtype=self.dtype)
+            t_diff = time.perf_counter() - started
+            job = lambda: self._commit_first_anchor(snapshot, step, started, t_diff)  # noqa: E731
+        else:
+            changes = diff(self._snapshot, self.model, chunk=self.chunk)
+            t_diff = time.perf_counter() - started
+            if changes.nnz == 0:
+                self._dirty = False
+                return False  # the latest version already holds these weights
+            job = lambda: self._commit_delta(changes, step, started, t_diff)  # noqa: E731
+        coalesced, self.stats.coalesced = self.stats.coalesced, 0
+        self._dirty, self._pending_step = False, None
+        self._inflight = self._pool.submit(self._guard, job, coalesced)
+        return True
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the upload in flight; publish coalesced weights; raise background errors."""
+        if self._inflight is not None:
+            self._inflight.result(timeout=timeout)
+        if self._dirty and self._fatal is None:
+            self.publish(self._pending_step, block=True)
+            self._inflight.result(timeout=timeout)
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        """Flush, then release the worker threads and the store."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            self._uploads.shutdown(wait=True)
+            self.store.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ ownership
+
+    def _open(self) -> None:
+        """Read the prefix's manifest and take ownership, or refuse."""
+        live = [
+            TensorSpec(n, tuple(t.shape), dtype_name(self.dtype or t.dtype)) for n, t in published_tensors(self.model)
+        ]
+        fp, numel = fingerprint(live), sum(s.numel for s in live)
+        try:
+            got = self.store.get_if_changed(MANIFEST_KEY, None)
+        except ObjectNotFound:
+            got = None
+        now = time.time()
+        if got is None:
+            self._manifest = new_manifest(run_id=uuid.uuid4().hex, fingerprint=fp, numel=numel, writer=self.writer, lease_s=self.lease_s)
+            self._etag = None
+            return
+        data, info = got
+        current = Manifest.from_bytes(data)
+        if current.fingerprint != fp:
+            raise FingerprintMismatch(
+                f"{self.store.url} holds versions of another model ({current.fingerprint}); "
+                "publish to a new prefix",
+                expected=fp,
+                found=current.fingerprint,
+            )
+        if current.writer != self.writer and current.lease_until > now and not self._takeover:
+            raise ConflictError(
+                f"{self.store.url} is owned by writer {current.writer[:8]} until "
+                f"{time.strftime('%H:%M:%S', time.localtime(current.lease_until))}: another trainer is "
+                "publishing here; use another prefix, or pass takeover=True if that trainer is gone",
+                writer=current.writer,
+            )
+        # Continue the version chain with a fresh anchor: our weights are not the old snapshot.
+        self._manifest = replace_manifest(current, writer=self.writer)
+        self._etag = info.etag
+        removed = sweep_orphans(self.store, current, now=now)
+        if removed:
+            logger.info("removed %d orphaned objects of an interrupted publish", len(removed))
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        now = time.time()
+        retained = plan_retention(manifest, keep_anchors=self.keep_anchors, now=now)
+        due, retained = deletable(retained, now=now)
+        retained = replace_manifest(retained, updated=now, lease_until=now + self.lease_s)
+        data = retained.to_bytes()
+        try:
+            if self.store.conditional_writes:
+                if self._etag is None:
+                    info = self.store.put(MANIFEST_KEY, data, mode="create")
+                else:
+                    info = self.store.put(MANIFEST_KEY, data, if_match=self._etag)
+            else:
+                self._check_owner_best_effort()
+                info = self.store.put(MANIFEST_KEY, data)
+        except PreconditionFailed:
+            raise ConflictError(
+                f"another writer changed {self.store.url}/{MANIFEST_KEY}: this publisher lost the prefix "
+                "(a second trainer, or a takeover); stop one of them",
+            ) from None
+        self._manifest, self._etag = retained, info.etag
+        for key in due:
+            self.store.delete(key)
+
+    def _check_owner_best_effort(self) -> None:
+        try:
+            current = Manifest.from_bytes(self.store.get(MANIFEST_KEY))
+        except ObjectNotFound:
+            return
+        if current.writer != self.writer and self._etag is not None:
+            raise ConflictError(f"writer {current.writer[:8]} took over {self.store.url}; stopping", writer=current.writer)
+
+    # ------------------------------------------------------------------ worker
+
+    def _guard(self, job: Callable[[], None], coalesced: int) -> None:
+        self._coalesced_now = coalesced
+        try:
+            job()
+        except ConflictError as exc:
+            self._fatal = exc
+            self.stats.failed += 1
+            logger.error("%s", exc)
+        except Exception as exc:  # the trainer keeps training; flush() re-raises
+            self.stats.failed += 1
+            self.stats.errors.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("publish failed, the next publish will cover these changes: %s", exc)
+            self._last_error = exc
+
+    def _raise_worker_error(self) -> None:
+        error = self._last_error
+        if error is not None:
+            self._last_error = None
+            raise error
+
+    def _upload(self, prefix: str, data: bytes) -> ObjectRef:
+        key = f"{prefix}.safetensors"
+        self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
+        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest())
+
+    def _key(self, kind: str, version: int) -> str:
+        return f"{kind}/{version:010d}-{uuid.uuid4().hex[:8]}"
+
+    def _commit_first_anchor(self, snapshot: Snapshot, step: int | None, started: float, t_diff: float) -> None:
+        assert self._manifest is not None
+        version = 0 if self._manifest.latest is None else self._manifest.latest + 1
+        t0 = time.perf_counter()
+        refs, t_encode = self._upload_anchor(snapshot, version)
+        entry = VersionEntry(version, step=step, time=time.time(), nnz=sum(s.numel for s in snapshot.specs), anchor=refs)
+        self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+        self._snapshot = snapshot
+        self._anchor_version, self._since_anchor = version, 0
+        self._report(version, step, "anchor", entry.nnz, refs, t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
+
+    def _commit_delta(self, changes: ChangeSet, step: int | None, started: float, t_diff: float) -> None:
+        assert self._manifest is not None and self._snapshot is not None
+        version = self._manifest.latest + 1  # type: ignore[operator]
+        t0 = time.perf_counter()
+        data = encode_delta(changes, version=version, base_version=version - 1, codec=self.codec, level=self.level)
+        t_encode = time.perf_counter() - t0
+        ref = self._upload(self._key("deltas", version), data)
+        entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
+        self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+        self._snapshot.advance(changes)
+        self._since_anchor += ref.size
+        self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
+        if self._anchor_due(version):
+            self._commit_anchor(version, step)
+
+    def _anchor_due(self, version: int) -> bool:
+        assert self._manifest is not None
+        last = self._manifest.entry(self._anchor_version)
+        anchor_bytes = last.anchor_bytes if last is not None and last.anchor else None
+        if version - self._anchor_version >= self.anchor_every:
+            return True
+        return anchor_bytes is not None and self._since_anchor > self.anchor_ratio * anchor_bytes
+
+    def _commit_anchor(self, version: int, step: int | None) -> None:
+        assert self._manifest is not None and self._snapshot is not None
+        t0 = time.perf_counter()
+        refs, t_encode = self._upload_anchor(self._snapshot, version)
+        entry = self._manifest.entry(version)
+        assert entry is not None
+        versions = tuple(
+            VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
+            for e in self._manifest.versions
+        )
+        self._write_manifest(replace_manifest(self._manifest, versions=versions))
+        self._anchor_version, self._since_anchor = version, 0
+        numel = sum(s.numel for s in self._snapshot.specs)
+        self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
+
+    def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
+        """Encode parts one after another while earlier parts upload."""
+        prefix = self._key("anchors", version)
+        groups: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in snapshot.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if groups[-1] and size + nbytes > self.part_bytes:
+                groups.append({})
+                size = 0
+            groups[-1][name] = tensor
+            size += nbytes
+        futures, t_encode = [], 0.0
+        for i, group in enumerate(groups):
+            t0 = time.perf_counter()
+            data = encode_anchor(group, version=version, model=snapshot.specs)
+            t_encode += time.perf_counter() - t0
+            futures.append(self._uploads.submit(self._upload, f"{prefix}-part{i:04d}", data))
+        return tuple(f.result() for f in futures), t_encode
+
+    def _report(
+        self, version: int, step: int | None, kind: str, nnz: int, refs: tuple[ObjectRef, ...],
+        t_diff: float, t_encode: float, t_upload: float, started: float,
+    ) -> None:
+        numel = self._manifest.numel if self._manifest else 0
+        info = PublishInfo(
+            version, step, kind, nnz, numel, sum(r.size for r in refs), t_diff, t_encode, t_upload,
+            time.perf_counter() - started, self._coalesced_now if kind == "delta" else 0,
+        )
+        self.stats.published += 1
+        self.stats.bytes += info.bytes
+        self.stats.last = info
+        logger.info(
+            "published v%d (%s, step %s): %d changed (sparsity %.3f %%), %s bytes, diff %.0f ms, total %.0f ms",
+            version, kind, step, nnz, 100 * info.sparsity, f"{info.bytes:,}", 1e3 * t_diff, 1e3 * info.t_total,
+        )
+        if self.on_publish is not None:
+            self.on_publish(info)
+
+
+ORPHAN_GRACE_S = 3600.0  # an object this old that no manifest names was left by a crashed publish
+
+
+def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S) -> list[str]:
+    """Delete version objects that no manifest names and that are older than ``grace``.
+
+    Such objects come from a publish that crashed between its uploads and its
+    manifest write; readers never saw them. The grace period protects the
+    uploads of a publish in progress.
+    """
+    referenced = referenced_keys(manifest)
+    removed = []
+    for prefix in ("deltas/", "anchors/"):
+        for info in store.list(prefix):
+            if info.key in referenced:
+                continue
+            if info.modified is not None and now - info.modified < grace:
+                continue
+            store.delete(info.key)
+            removed.append(info.key)
+    return removed

@@ -1,0 +1,404 @@
+"""Replica side: follow a store's manifest and apply new versions exactly.
+
+A :class:`Subscriber` polls ``manifest.json`` cheaply (a conditional GET that
+transfers nothing while the manifest is unchanged, with exponential backoff
+while idle), plans the cheapest route from the version it holds to the latest
+(a chain of deltas, or the newest anchor plus deltas), downloads the objects in
+parallel, checks each one's size and SHA-256, and hands validated patches to an
+applier.
+
+Verify before write (invariant 4): for every version on the route, the file is
+parsed, checked against the replica (fingerprint, tensor names, shapes,
+dtypes) and fully decoded (index bounds, sizes, value hashes) before its first
+element is written. A refused object raises a typed error, is never tried
+again, and the replica keeps serving the weights it had; a failure partway
+along a route leaves it at the last whole version it reached.
+
+Code that needs a version blocks on :meth:`Subscriber.wait_for` (a condition
+variable), never a sleep loop. Replicas may write ``acks/<replica>.json`` so
+``deltasync status`` can show the fleet without a control plane.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .codec import Decoded
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, ObjectNotFound, VersionError
+from .format import Header, decode, read_header
+from .manifest import MANIFEST_KEY, Manifest, ObjectRef, Plan, Step, plan_route
+from .stores import Store, open_store
+from .tensors import TensorSpec
+
+__all__ = ["Subscriber", "UpdateInfo", "Applier"]
+
+logger = logging.getLogger("deltasync.subscriber")
+
+POLL_INTERVAL_S = 1.0  # first poll interval after a change
+MAX_POLL_INTERVAL_S = 15.0  # idle backoff cap: a change is seen within 15 s at worst
+FETCH_WORKERS = 4  # parallel downloads
+BAD_AFTER = 3  # hash/size failures of one object before routes avoid it
+
+
+class Applier(Protocol):
+    """Where a subscriber writes: validates files against, reads from and patches the weights."""
+
+    fingerprint: str
+    specs: dict[str, TensorSpec]
+
+    def validate(self, header: Header) -> None: ...
+
+    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray: ...
+
+    def apply(self, decoded: dict[str, Decoded]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateInfo:
+    """One completed update of a replica."""
+
+    version: int
+    """The version now in force."""
+    previous: int | None
+    """The version held before."""
+    route: tuple[str, ...]
+    """Kinds of the hops taken, e.g. ``("delta", "delta")`` or ``("anchor",)``."""
+    bytes: int
+    """Bytes downloaded."""
+    t_fetch: float
+    t_decode: float
+    t_apply: float
+    lag_s: float
+    """Seconds from the trainer's publish of ``version`` to its application here."""
+    step: int | None
+    """Trainer step of ``version``."""
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    updates: int = 0
+    bytes: int = 0
+    polls: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    last_error: str | None = None
+
+
+class Subscriber:
+    """Follows a run prefix and keeps an applier at the latest version.
+
+    Args:
+        store (`str` or `Store`): the run prefix the trainer publishes to.
+        applier (`Applier`): e.g. :class:`~deltasync.appliers.TorchModuleApplier`.
+        replica_id (`str`, *optional*): name in acks and logs; defaults to ``host-pid-random``.
+        ack (`bool`, *optional*, defaults to True): write ``acks/<replica_id>.json`` after each update.
+        poll_interval (`float`, *optional*): seconds between polls after a change.
+        max_poll_interval (`float`, *optional*): idle backoff cap.
+        on_update (`Callable[[UpdateInfo], None]`, *optional*): called after each update.
+
+    Example:
+        ```python
+        >>> sub = Subscriber("./run1", TorchModuleApplier(model))
+        >>> sub.start()                 # follows in a background thread
+        >>> sub.wait_for(10, timeout=60)
+        >>> sub.stop()
+        ```
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        applier: Applier,
+        *,
+        replica_id: str | None = None,
+        ack: bool = True,
+        poll_interval: float = POLL_INTERVAL_S,
+        max_poll_interval: float = MAX_POLL_INTERVAL_S,
+        fetch_workers: int = FETCH_WORKERS,
+        on_update: Callable[[UpdateInfo], None] | None = None,
+        **store_options: Any,
+    ) -> None:
+        self.store = open_store(store, **store_options)
+        self.applier = applier
+        self.replica_id = _safe_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.ack = ack
+        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
+        self.stats = SubscriberStats()
+        self._hooks: list[Callable[[UpdateInfo], None]] = [on_update] if on_update else []
+        self._fetch = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="deltasync-fetch")
+        self._version: int | None = None
+        self._run_id: str | None = None
+        self._etag: str | None = None
+        self._manifest: Manifest | None = None
+        self._bad: set[str] = set()
+        self._failures: Counter[str] = Counter()
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._apply_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version(self) -> int | None:
+        """The version in force, or ``None`` before the first update."""
+        return self._version
+
+    @property
+    def latest(self) -> int | None:
+        """The newest version seen in the manifest."""
+        return self._manifest.latest if self._manifest else None
+
+    def add_hook(self, hook: Callable[[UpdateInfo], None]) -> None:
+        """Call ``hook(info)`` after every update."""
+        self._hooks.append(hook)
+
+    def wait_for(self, version: int, timeout: float | None = None) -> bool:
+        """Block until the version in force is at least ``version``; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while self._version is None or self._version < version:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    def start(self) -> Subscriber:
+        """Follow the store in a background thread."""
+        if self._thread is not None:
+            raise RuntimeError("subscriber already started")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=f"deltasync-follow-{self.replica_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30) -> None:
+        """Stop following (the current update finishes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop and release threads and the store."""
+        self.stop()
+        self._fetch.shutdown(wait=True)
+        self.store.close()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Poll until ``stop`` (or :meth:`stop`) is set, backing off while idle."""
+        stop = stop or self._stop
+        interval = self.poll_interval
+        while not stop.is_set() and not self._stop.is_set():
+            updated = self.poll()
+            interval = self.poll_interval if updated else min(self.max_poll_interval, interval * 2)
+            stop.wait(interval)
+
+    def poll(self) -> UpdateInfo | None:
+        """One round: read the manifest and apply whatever is new. Never raises on bad input.
+
+        Returns:
+            `UpdateInfo` if the replica moved to a newer version, else ``None``.
+        """
+        self.stats.polls += 1
+        try:
+            return self.update()
+        except DeltaSyncError as exc:
+            self.stats.rejected[type(exc).__name__] += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("replica %s keeps version %s: %s", self.replica_id, self._version, self.stats.last_error)
+            return None
+
+    def update(self) -> UpdateInfo | None:
+        """Like :meth:`poll` but raises typed errors instead of counting them."""
+        with self._apply_lock:
+            manifest = self._read_manifest()
+            if manifest is None or manifest.latest is None:
+                return None
+            current = self._version if manifest.run_id == self._run_id else None
+            if current == manifest.latest:
+                return None
+            plan = plan_route(manifest, current, avoid=self._bad)
+            if plan is None:
+                raise VersionError(
+                    f"no usable route from version {current} to {manifest.latest} in {self.store.url}",
+                    current=current,
+                    latest=manifest.latest,
+                )
+            info = self._execute(manifest, plan)
+        for hook in self._hooks:
+            hook(info)
+        return info
+
+    # ------------------------------------------------------------------ internals
+
+    def _read_manifest(self) -> Manifest | None:
+        try:
+            got = self.store.get_if_changed(MANIFEST_KEY, self._etag)
+        except ObjectNotFound:
+            return None
+        if got is not None:
+            data, info = got
+            manifest = Manifest.from_bytes(data)
+            if manifest.fingerprint != self.applier.fingerprint:
+                from .errors import FingerprintMismatch
+
+                raise FingerprintMismatch(
+                    f"{self.store.url} publishes model {manifest.fingerprint}, this replica holds "
+                    f"{self.applier.fingerprint}: point it at the right prefix",
+                    expected=self.applier.fingerprint,
+                    found=manifest.fingerprint,
+                )
+            if self._manifest and manifest.run_id == self._manifest.run_id and (manifest.latest or 0) < (self._manifest.latest or 0):
+                raise VersionError(
+                    f"manifest went backwards ({manifest.latest} < {self._manifest.latest}); ignoring it",
+                    latest=manifest.latest,
+                )
+            self._manifest, self._etag = manifest, info.etag
+        return self._manifest
+
+    def _download(self, ref: ObjectRef) -> bytes:
+        data = self.store.get(ref.key)
+        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+            # A truncated transfer may succeed next time; a third failure marks the object bad.
+            self._failures[ref.key] += 1
+            if self._failures[ref.key] >= BAD_AFTER:
+                self._bad.add(ref.key)
+            raise IntegrityError(
+                f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
+                f"({ref.size} bytes); object refused",
+                key=ref.key,
+            )
+        return data
+
+    def _execute(self, manifest: Manifest, plan: Plan) -> UpdateInfo:
+        started = time.perf_counter()
+        futures = {ref.key: self._fetch.submit(self._download, ref) for s in plan.steps for ref in s.objects}
+        t_decode = t_apply = 0.0
+        previous = self._version if manifest.run_id == self._run_id else None
+        for step in plan.steps:
+            blobs = [futures[ref.key].result() for ref in step.objects]
+            t0 = time.perf_counter()
+            decoded = self._check_and_decode(step, blobs, previous_version=self._held(manifest))
+            t1 = time.perf_counter()
+            self.applier.apply(decoded)
+            t_apply += time.perf_counter() - t1
+            t_decode += t1 - t0
+            self._set_version(manifest.run_id, step.version)
+        entry = manifest.entry(plan.target)
+        info = UpdateInfo(
+            version=plan.target,
+            previous=previous,
+            route=tuple(s.kind for s in plan.steps),
+            bytes=plan.nbytes,
+            t_fetch=max(0.0, time.perf_counter() - started - t_decode - t_apply),
+            t_decode=t_decode,
+            t_apply=t_apply,
+            lag_s=max(0.0, time.time() - entry.time) if entry else 0.0,
+            step=entry.step if entry else None,
+        )
+        self.stats.updates += 1
+        self.stats.bytes += info.bytes
+        logger.info(
+            "replica %s at v%d (from %s via %s): %s bytes, decode %.0f ms, apply %.0f ms, lag %.2f s",
+            self.replica_id, info.version, previous, "+".join(info.route), f"{info.bytes:,}",
+            1e3 * t_decode, 1e3 * t_apply, info.lag_s,
+        )
+        if self.ack:
+            self._write_ack(info)
+        return info
+
+    def _held(self, manifest: Manifest) -> int | None:
+        return self._version if manifest.run_id == self._run_id else None
+
+    def _check_and_decode(self, step: Step, blobs: list[bytes], previous_version: int | None) -> dict[str, Decoded]:
+        headers = [read_header(b) for b in blobs]
+        for ref, header in zip(step.objects, headers):
+            try:
+                self.applier.validate(header)
+                if header.version != step.version or header.kind != step.kind:
+                    raise VersionError(
+                        f"{ref.key} holds {header.kind} v{header.version}, manifest says {step.kind} v{step.version}",
+                        key=ref.key,
+                    )
+                if step.kind == "delta" and header.base_version != previous_version:
+                    raise VersionError(
+                        f"{ref.key} applies to v{header.base_version}, replica holds v{previous_version}",
+                        key=ref.key,
+                    )
+            except DeltaSyncError:
+                self._bad.add(ref.key)
+                raise
+        if step.kind == "anchor":
+            carried = [n for h in headers for n in h.tensors]
+            if sorted(carried) != sorted(self.applier.specs):
+                self._bad.update(r.key for r in step.objects)
+                raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor exactly once")
+        decoded: dict[str, Decoded] = {}
+        for ref, blob, header in zip(step.objects, blobs, headers):
+            try:
+                decoded.update(decode(blob, base=self.applier.lookup, header=header)[1])
+            except DeltaSyncError:
+                self._bad.add(ref.key)
+                raise
+        return decoded
+
+    def _set_version(self, run_id: str, version: int) -> None:
+        with self._changed:
+            self._run_id, self._version = run_id, version
+            self._changed.notify_all()
+
+    def _write_ack(self, info: UpdateInfo) -> None:
+        body = {
+            "replica": self.replica_id,
+            "version": info.version,
+            "run_id": self._run_id,
+            "time": time.time(),
+            "lag_s": info.lag_s,
+            "bytes": info.bytes,
+            "apply_ms": 1e3 * info.t_apply,
+            "rejected": dict(self.stats.rejected),
+        }
+        try:
+            self.store.put(f"acks/{self.replica_id}.json", json.dumps(body).encode())
+        except DeltaSyncError as exc:  # acks are advisory; never fail an update for them
+            logger.warning("could not write ack: %s", exc)
+
+
+def _safe_id(raw: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", raw).strip(".-") or "replica"
+    return cleaned[:100]
+
+
+def read_acks(store: Store) -> list[dict[str, Any]]:
+    """Every replica's latest ack (unreadable acks are skipped)."""
+    acks = []
+    for info in store.list("acks/"):
+        try:
+            acks.append(json.loads(store.get(info.key)))
+        except (DeltaSyncError, ValueError):
+            continue
+    return acks
