@@ -195,6 +195,10 @@ class Publisher:
         Returns:
             `bool`: whether a version was started.
 
+        Upload failures do not raise here (the trainer keeps training; the next
+        version covers the changes); they are logged, counted in ``stats`` and
+        raised by :meth:`flush` / :meth:`close`.
+
         Raises:
             `ConflictError`: another writer owns the prefix. `RuntimeError`: closed.
         """
@@ -208,7 +212,6 @@ class Publisher:
                 self._dirty, self._pending_step = True, step
                 return False
             self._inflight.result()
-        self._raise_worker_error()
         started = time.perf_counter()
         if self._snapshot is None:
             self._open()

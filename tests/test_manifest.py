@@ -1,0 +1,152 @@
+"""Manifest schema, route planning and retention: pure functions, no I/O."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltasync.errors import ManifestError
+from deltasync.manifest import (
+    Manifest,
+    ObjectRef,
+    VersionEntry,
+    deletable,
+    plan_retention,
+    plan_route,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
+SHA = "0" * 64
+
+
+def ref(key: str, size: int) -> ObjectRef:
+    return ObjectRef(key, size, SHA)
+
+
+def build(n: int, anchors: dict[int, int], delta_size: int = 10) -> Manifest:
+    """Versions 0..n-1; deltas of ``delta_size`` for v >= 1; anchors {version: size}."""
+    versions = []
+    for v in range(n):
+        delta = (ref(f"deltas/{v}", delta_size),) if v else ()
+        anchor = (ref(f"anchors/{v}", anchors[v]),) if v in anchors else ()
+        versions.append(VersionEntry(v, step=v * 10, time=1000.0 + v, nnz=5, delta=delta, anchor=anchor))
+    return Manifest("run", "fp", 100, "writer", 0.0, tuple(versions))
+
+
+class TestSchema:
+    def test_roundtrip(self) -> None:
+        m = build(5, {0: 1000, 3: 1000})
+        assert Manifest.from_bytes(m.to_bytes()) == m
+
+    def test_golden_v1_stays_readable(self) -> None:
+        m = Manifest.from_bytes(GOLDEN.read_bytes())
+        assert m.latest == 3 and [a.version for a in m.anchors()] == [0, 2]
+        assert m.entry(3).delta[0].key == "deltas/0000000003-9f2c1a7b.safetensors"
+
+    def test_unknown_fields_are_ignored(self) -> None:
+        raw = json.loads(GOLDEN.read_bytes())
+        raw["future_field"] = {"x": 1}
+        raw["versions"][0]["future"] = True
+        assert Manifest.from_bytes(json.dumps(raw).encode()).latest == 3
+
+    @pytest.mark.parametrize(
+        "mutate, match",
+        [
+            (lambda r: r.update(format="other"), "not a deltasync manifest"),
+            (lambda r: r.update(schema=99), "upgrade deltasync"),
+            (lambda r: r["versions"][1]["delta"][0].update(key="../../etc/passwd"), "unsafe object key"),
+            (lambda r: r["versions"][1]["delta"][0].update(key="https://evil/x"), "unsafe object key"),
+            (lambda r: r["versions"][1]["delta"][0].update(key="/abs/path"), "unsafe object key"),
+            (lambda r: r["versions"].reverse(), "strictly increasing"),
+            (lambda r: r["versions"][1]["delta"][0].update(size=-1), "bad size"),
+            (lambda r: r["versions"][1].update(version="1"), "non-negative integer"),
+            (lambda r: r["versions"][0].pop("anchor"), "neither delta nor anchor"),
+            (lambda r: r.update(versions={}), "must be a list"),
+            (lambda r: r.pop("run_id"), "malformed"),
+        ],
+    )
+    def test_bad_manifests_refused(self, mutate, match: str) -> None:
+        raw = json.loads(GOLDEN.read_bytes())
+        mutate(raw)
+        with pytest.raises(ManifestError, match=match):
+            Manifest.from_bytes(json.dumps(raw).encode())
+
+    def test_not_json(self) -> None:
+        with pytest.raises(ManifestError, match="JSON"):
+            Manifest.from_bytes(b"{nope")
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.binary(max_size=400) | st.text(max_size=300).map(str.encode))
+    def test_fuzz_only_manifest_errors(self, data: bytes) -> None:
+        try:
+            Manifest.from_bytes(data)
+        except ManifestError:
+            pass
+
+    def test_appending_must_go_forward(self) -> None:
+        m = build(3, {0: 100})
+        with pytest.raises(ManifestError, match="does not follow"):
+            m.with_version(VersionEntry(2, delta=(ref("deltas/x", 1),)), now=0, lease_s=1)
+
+
+class TestPlan:
+    def test_up_to_date(self) -> None:
+        plan = plan_route(build(4, {0: 100}), 3)
+        assert plan is not None and plan.steps == ()
+
+    def test_delta_chain(self) -> None:
+        plan = plan_route(build(6, {0: 1000}), 2)
+        assert [(s.version, s.kind) for s in plan.steps] == [(3, "delta"), (4, "delta"), (5, "delta")]
+        assert plan.nbytes == 30
+
+    def test_new_replica_takes_newest_anchor(self) -> None:
+        plan = plan_route(build(6, {0: 1000, 4: 1000}), None)
+        assert [(s.version, s.kind) for s in plan.steps] == [(4, "anchor"), (5, "delta")]
+
+    def test_cheaper_anchor_beats_long_chain(self) -> None:
+        plan = plan_route(build(50, {0: 100, 45: 100}, delta_size=10), 1)
+        assert plan.steps[0].kind == "anchor" and plan.steps[0].version == 45
+
+    def test_chain_beats_expensive_anchor(self) -> None:
+        plan = plan_route(build(50, {0: 10_000, 45: 10_000}, delta_size=10), 40)
+        assert all(s.kind == "delta" for s in plan.steps)
+
+    def test_avoids_bad_objects(self) -> None:
+        m = build(6, {0: 1000, 3: 1000})
+        plan = plan_route(m, 1, avoid={"deltas/2"})
+        assert [(s.version, s.kind) for s in plan.steps] == [(3, "anchor"), (4, "delta"), (5, "delta")]
+        assert plan_route(m, 1, avoid={"deltas/5"}) is None
+
+    def test_pruned_history_goes_through_anchor(self) -> None:
+        m = plan_retention(build(10, {0: 100, 5: 100, 8: 100}), keep_anchors=1, now=0)
+        plan = plan_route(m, 2)
+        assert plan.steps[0] == plan.steps[0].__class__(8, "anchor", (ref("anchors/8", 100),))
+
+    def test_empty(self) -> None:
+        assert plan_route(Manifest("r", "f", 1, "w", 0.0), None) is None
+
+
+class TestRetention:
+    def test_keeps_newest_anchors_and_what_follows(self) -> None:
+        m = plan_retention(build(10, {0: 100, 4: 100, 7: 100}), keep_anchors=2, now=50.0)
+        assert [v.version for v in m.versions] == [4, 5, 6, 7, 8, 9]
+        assert not m.versions[0].delta  # v4 is reached through its anchor only
+        retired = {k for k, _ in m.retired}
+        assert {"anchors/0", "deltas/1", "deltas/3", "deltas/4"} <= retired
+        assert "anchors/4" not in retired
+
+    def test_every_kept_version_reaches_latest(self) -> None:
+        m = plan_retention(build(30, {0: 100, 10: 100, 20: 100}), keep_anchors=2, now=0)
+        for v in [None] + [e.version for e in m.versions]:
+            assert plan_route(m, v) is not None
+
+    def test_deletable_after_grace(self) -> None:
+        m = plan_retention(build(10, {0: 100, 5: 100}), keep_anchors=1, now=100.0)
+        due, kept = deletable(m, now=150.0, grace=300)
+        assert due == [] and kept.retired == m.retired
+        due, kept = deletable(m, now=500.0, grace=300)
+        assert "anchors/0" in due and kept.retired == ()

@@ -1,0 +1,220 @@
+"""Publisher and subscriber together: exactness, coalescing, ownership, bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from deltasync.appliers import TorchModuleApplier
+from deltasync.errors import ConflictError, FingerprintMismatch, IntegrityError, StoreError
+from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.publisher import Publisher
+from deltasync.stores import MemoryStore, Store
+from deltasync.subscriber import Subscriber
+from tests.faults import FaultyStore
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 16))
+
+
+def train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        m(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_exact(trainer: torch.nn.Module, replica: torch.nn.Module) -> None:
+    for (name, a), b in zip(trainer.named_parameters(), replica.parameters()):
+        assert torch.equal(a.detach().to(torch.bfloat16).view(torch.int16), b.detach().view(torch.int16)), name
+
+
+def replica() -> tuple[torch.nn.Module, TorchModuleApplier]:
+    r = model(seed=99).to(torch.bfloat16)
+    return r, TorchModuleApplier(r)
+
+
+class TestEndToEnd:
+    def test_every_backend_ends_bit_exact(self, store: Store) -> None:
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        rep, applier = replica()
+        with Publisher(trainer, store, anchor_every=3, keep_anchors=1) as pub, Subscriber(store, applier, ack=True) as sub:
+            for step in range(7):
+                train(trainer, opt)
+                pub.publish(step, block=True)
+                pub.flush()
+                assert sub.poll() is not None or sub.version == pub.version
+                assert_exact(trainer, rep)
+            assert sub.version == pub.version
+        assert len(list(store.list("acks/"))) == 1
+
+    def test_late_replica_starts_from_anchor(self) -> None:
+        store = MemoryStore("late")
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        with Publisher(trainer, store, anchor_every=4) as pub:
+            for step in range(10):
+                train(trainer, opt)
+                pub.publish(step, block=True)
+        rep, applier = replica()
+        info = Subscriber(store, applier).update()
+        assert info.route[0] == "anchor" and info.version == pub.version
+        assert_exact(trainer, rep)
+
+    def test_background_follower_and_wait_for(self, tmp_path) -> None:
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        rep, applier = replica()
+        seen = []
+        sub = Subscriber(str(tmp_path), applier, poll_interval=0.01, max_poll_interval=0.05, on_update=seen.append)
+        with Publisher(trainer, str(tmp_path)) as pub:
+            sub.start()
+            for step in range(5):
+                train(trainer, opt)
+                pub.publish(step, block=True)
+            pub.flush()
+            assert sub.wait_for(pub.version, timeout=20)
+        sub.close()
+        assert_exact(trainer, rep)
+        assert seen and seen[-1].version == pub.version and seen[-1].lag_s >= 0
+
+
+class TestCoalescing:
+    def test_slow_store_coalesces_instead_of_queuing(self) -> None:
+        store = FaultyStore(MemoryStore("slow"))
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        pub = Publisher(trainer, store)
+        assert pub.publish(0)
+        pub.flush()
+        store.gate = threading.Event()  # the store stalls
+        train(trainer, opt)
+        assert pub.publish(1) is True
+        started = []
+        for step in range(2, 6):
+            train(trainer, opt)
+            started.append(pub.publish(step))  # returns at once
+        assert started == [False, False, False, False]
+        store.gate.set()
+        pub.close()  # publishes the coalesced newest weights
+        versions = Manifest.from_bytes(store.get(MANIFEST_KEY)).versions
+        assert versions[-1].version == 2 and versions[-1].step == 5  # 4 publishes became one version
+        rep, applier = replica()
+        Subscriber(store, applier).update()
+        assert_exact(trainer, rep)
+
+    def test_failed_upload_is_covered_by_next_delta(self) -> None:
+        store = FaultyStore(MemoryStore("flaky"))
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        pub = Publisher(trainer, store)
+        pub.publish(0, block=True)
+        pub.flush()
+        store.fail_puts["deltas/"] = 1
+        train(trainer, opt)
+        pub.publish(1, block=True)
+        with pytest.raises(StoreError, match="injected"):
+            pub.flush()  # reported, training goes on
+        assert pub.stats.failed == 1
+        train(trainer, opt)
+        pub.publish(2, block=True)
+        pub.close()
+        assert Manifest.from_bytes(store.get(MANIFEST_KEY)).latest == 1  # no gap, no partial version
+        rep, applier = replica()
+        Subscriber(store, applier).update()
+        assert_exact(trainer, rep)
+
+    def test_manifest_never_names_missing_objects(self) -> None:
+        store = FaultyStore(MemoryStore("partial"))
+        trainer = model()
+        pub = Publisher(trainer, store)
+        store.fail_puts["anchors/"] = 1
+        pub.publish(0)
+        with pytest.raises(StoreError):
+            pub.flush()
+        assert not store.exists(MANIFEST_KEY)
+
+
+class TestOwnership:
+    def test_second_trainer_refused(self, store: Store) -> None:
+        first = Publisher(model(), store)
+        first.publish(0, block=True)
+        first.flush()
+        second = Publisher(model(), store)
+        with pytest.raises(ConflictError, match="another trainer"):
+            second.publish(0)
+        first.close()
+
+    def test_takeover_continues_the_chain(self) -> None:
+        store = MemoryStore("takeover")
+        first = Publisher(model(), store)
+        first.publish(0, block=True)
+        first.close()
+        trainer = model(seed=5)
+        with Publisher(trainer, store, takeover=True) as second:
+            second.publish(0, block=True)
+        m = Manifest.from_bytes(store.get(MANIFEST_KEY))
+        assert m.latest == 1 and m.entry(1).anchor  # a fresh anchor continues the numbering
+        rep, applier = replica()
+        Subscriber(store, applier).update()
+        assert_exact(trainer, rep)
+
+    def test_lost_ownership_stops_the_publisher(self) -> None:
+        store = MemoryStore("lost")
+        trainer = model()
+        first = Publisher(trainer, store)
+        first.publish(0, block=True)
+        first.flush()
+        Publisher(model(), store, takeover=True).publish(0, block=True)
+        train(trainer, torch.optim.AdamW(trainer.parameters(), lr=1e-3))
+        first.publish(1, block=True)
+        first._inflight.result()
+        with pytest.raises(ConflictError):
+            first.publish(2)
+
+    def test_other_model_refused(self) -> None:
+        store = MemoryStore("othermodel")
+        with Publisher(model(), store) as pub:
+            pub.publish(0)
+        with pytest.raises(FingerprintMismatch, match="new prefix"):
+            Publisher(torch.nn.Linear(3, 3), store, takeover=True).publish(0)
+
+
+class TestReplicaRefusals:
+    def _published(self, name: str) -> tuple[MemoryStore, torch.nn.Module]:
+        store = MemoryStore(name)
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        with Publisher(trainer, store, anchor_every=1000, anchor_ratio=100.0) as pub:
+            pub.publish(0, block=True)
+            pub.flush()
+            train(trainer, opt)
+            pub.publish(1, block=True)
+        return store, trainer
+
+    def test_corrupt_delta_keeps_old_weights(self) -> None:
+        store, trainer = self._published("corrupt")
+        faulty = FaultyStore(store)
+        faulty.corrupt["deltas/"] = lambda data: data[:-10] + bytes(10)
+        rep, applier = replica()
+        sub = Subscriber(faulty, applier)
+        with pytest.raises(IntegrityError):
+            sub.update()  # the anchor applied (v0), the delta was refused
+        assert sub.version == 0
+        before = [p.clone() for p in rep.parameters()]
+        assert sub.poll() is None and sub.stats.rejected["IntegrityError"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, rep.parameters()))
+
+    def test_wrong_model_refused_before_any_download(self) -> None:
+        store, _ = self._published("wrongmodel")
+        other = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        before = other.weight.clone()
+        sub = Subscriber(store, TorchModuleApplier(other))
+        with pytest.raises(FingerprintMismatch):
+            sub.update()
+        assert torch.equal(before, other.weight)
