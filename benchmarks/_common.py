@@ -51,6 +51,15 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
     return min(timed(fn)[0] for _ in range(repeats))
 
 
+def best_timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """:func:`best_of` that also returns the result of the last call (for timed steps whose output is used)."""
+    best, result = timed(fn)
+    for _ in range(repeats - 1):
+        elapsed, result = timed(fn)
+        best = min(best, elapsed)
+    return best, result
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

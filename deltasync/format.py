@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import safetensors
@@ -50,6 +51,29 @@ FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 64 << 20
 DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
 _WORKERS = min(8, os.cpu_count() or 1)
+# Fixed cost of encoding one tensor, in changed elements (~30 us at ~25 ns per
+# element on SmolLM2): what balancing the encoder threads' shares counts per tensor.
+_TASK_COST = 1000
+# safetensors' dtype names, with the rank of its writer's layout order (entries
+# of a higher rank come first); see _serialize.
+_SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    dtype: (name, rank)
+    for rank, (dtype, name) in enumerate(
+        [
+            (torch.bool, "BOOL"),
+            (torch.uint8, "U8"),
+            (torch.int8, "I8"),
+            (torch.int16, "I16"),
+            (torch.float16, "F16"),
+            (torch.bfloat16, "BF16"),
+            (torch.int32, "I32"),
+            (torch.float32, "F32"),
+            (torch.float64, "F64"),
+            (torch.int64, "I64"),
+        ]
+    )
+}
+_T = TypeVar("_T")
 
 Kind = Literal["delta", "anchor"]
 
@@ -134,15 +158,78 @@ def encode_delta(
 
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
-    # numpy and zstd release the GIL on large arrays, so tensors encode in parallel.
-    with ThreadPoolExecutor(max_workers=workers or _WORKERS) as pool:
-        results = pool.map(encode_one, changes.changes)
-        for change, (name, encoded) in zip(changes.changes, results):
-            for part, array in encoded.parts.items():
-                tensors[f"{change.spec.name}::{part}"] = array.contiguous()
-            entries[change.spec.name] = _entry_json(change.spec, name, change.nnz, encoded.params)
+    results = _map_shared(encode_one, changes.changes, workers or _WORKERS)
+    for change, (name, encoded) in zip(changes.changes, results):
+        for part, array in encoded.parts.items():
+            tensors[f"{change.spec.name}::{part}"] = array.contiguous()
+        entries[change.spec.name] = _entry_json(change.spec, name, change.nnz, encoded.params)
     meta = _metadata("delta", version, base_version, changes.specs, entries)
-    return safetensors.torch.save(tensors, metadata=meta)
+    return _serialize(tensors, meta)
+
+
+def _map_shared(fn: Callable[[TensorChange], _T], changes: Sequence[TensorChange], workers: int) -> list[_T]:
+    """``[fn(c) for c in changes]`` in up to ``workers`` threads, one share of the work each.
+
+    numpy and zstd release the GIL on large arrays, so tensors encode in
+    parallel; but one task per tensor hands the GIL and results back and forth
+    hundreds of times per delta, which cost more than it saved on 2 cores. So
+    each thread (the caller included) takes one share, balanced by changed
+    elements, largest tensors dealt first.
+    """
+    if workers <= 1 or len(changes) <= 1:
+        return [fn(c) for c in changes]
+    shares: list[list[int]] = [[] for _ in range(min(workers, len(changes)))]
+    loads = [0] * len(shares)
+    for i in sorted(range(len(changes)), key=lambda i: -changes[i].nnz):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(i)
+        loads[lightest] += changes[i].nnz + _TASK_COST
+    results: list[Any] = [None] * len(changes)
+
+    def run(share: list[int]) -> None:
+        for i in share:
+            results[i] = fn(changes[i])
+
+    with ThreadPoolExecutor(max_workers=len(shares) - 1) as pool:
+        pending = [pool.submit(run, share) for share in shares[1:]]
+        run(shares[0])
+        for future in pending:
+            future.result()
+    return results
+
+
+def _serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost.
+
+    safetensors' Python wrapper spends ~18 us per entry (ctypes pointers,
+    shared-storage checks) before the one copy into the file: 8.8 ms for a
+    SmolLM2 delta's 478 entries, against 0.7 ms here. The layout is the same:
+    header JSON padded with spaces to 8 bytes, then the entries widest dtype
+    first and by name within a dtype. Anything else (other dtypes, devices,
+    big-endian hosts) goes through safetensors itself.
+    """
+    if sys.byteorder != "little" or any(
+        t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" or not t.is_contiguous()
+        for t in tensors.values()
+    ):
+        return safetensors.torch.save(tensors, metadata=metadata)
+    order = sorted(tensors, key=lambda name: (-_SAFETENSORS_DTYPES[tensors[name].dtype][1], name))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    buffers = []
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype][0],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + data.size],
+        }
+        buffers.append(data)
+        offset += data.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
 
 
 def encode_anchor(
@@ -317,8 +404,14 @@ def decode(
             parts = {"val": entries[name]}
             decoded[name] = get_codec("dense").decode(parts, {}, entry.spec, entry.nnz, None)
         return header, decoded
-    expected = {f"{n}::" for n in header.tensors}
-    stray = [k for k in entries if k[: k.rfind("::") + 2] not in expected]
+    grouped: dict[str, dict[str, torch.Tensor]] = {name: {} for name in header.tensors}
+    stray = []
+    for key, value in entries.items():  # one pass: entry "T::part" belongs to tensor T
+        cut = key.rfind("::")
+        if cut < 0 or key[:cut] not in grouped:
+            stray.append(key)
+        else:
+            grouped[key[:cut]][key[cut + 2 :]] = value
     if stray:
         raise DeltaFormatError(f"entries without metadata: {stray[:5]}")
     codecs = {}
@@ -328,9 +421,7 @@ def decode(
         except ValueError as exc:
             raise CodecError(f"{name}: {exc}", name=name) from None
     for name, entry in header.tensors.items():
-        prefix = f"{name}::"
-        parts = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
-        decoded[name] = codecs[name].decode(parts, entry.params, entry.spec, entry.nnz, base)
+        decoded[name] = codecs[name].decode(grouped[name], entry.params, entry.spec, entry.nnz, base)
     return header, decoded
 
 

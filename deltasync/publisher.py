@@ -53,7 +53,7 @@ from .manifest import (
     referenced_keys,
     replace_manifest,
 )
-from .stores import Store, open_store
+from .stores import ObjectInfo, Store, open_store
 from .tensors import TensorSpec, dtype_name, fingerprint, published_tensors
 
 __all__ = ["Publisher", "PublishInfo", "PublisherStats"]
@@ -245,11 +245,21 @@ class Publisher:
             return
         try:
             self.flush()
+            self._release_lease()
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._uploads.shutdown(wait=True)
             self.store.close()
+
+    def _release_lease(self) -> None:
+        """Let the next trainer on this prefix start without ``takeover=True``."""
+        if self._manifest is None or self._manifest.latest is None or self._fatal is not None:
+            return
+        try:
+            self._write_manifest(self._manifest, lease_s=0.0)
+        except DeltaSyncError as exc:
+            logger.warning("could not release the lease on %s: %s", self.store.url, exc)
 
     def __enter__(self) -> Publisher:
         return self
@@ -297,37 +307,70 @@ class Publisher:
         if removed:
             logger.info("removed %d orphaned objects of an interrupted publish", len(removed))
 
-    def _write_manifest(self, manifest: Manifest) -> None:
+    def _write_manifest(self, manifest: Manifest, *, lease_s: float | None = None) -> None:
         now = time.time()
         retained = plan_retention(manifest, keep_anchors=self.keep_anchors, now=now)
         due, retained = deletable(retained, now=now)
-        retained = replace_manifest(retained, updated=now, lease_until=now + self.lease_s)
-        data = retained.to_bytes()
-        try:
-            if self.store.conditional_writes:
-                if self._etag is None:
-                    info = self.store.put(MANIFEST_KEY, data, mode="create")
-                else:
-                    info = self.store.put(MANIFEST_KEY, data, if_match=self._etag)
-            else:
-                self._check_owner_best_effort()
-                info = self.store.put(MANIFEST_KEY, data)
-        except PreconditionFailed:
-            raise ConflictError(
-                f"another writer changed {self.store.url}/{MANIFEST_KEY}: this publisher lost the prefix "
-                "(a second trainer, or a takeover); stop one of them",
-            ) from None
+        lease = self.lease_s if lease_s is None else lease_s
+        retained = replace_manifest(retained, updated=now, lease_until=now + lease)
+        for _ in range(3):
+            try:
+                info = self._put_manifest(retained)
+                break
+            except PreconditionFailed:
+                # Someone else wrote the manifest: a rival writer (stop), or an operator's gc
+                # that removed retired keys (merge and retry).
+                retained = self._merge_foreign_edit(retained)
+        else:
+            raise ConflictError(f"{self.store.url}/{MANIFEST_KEY} keeps changing under this publisher")
         self._manifest, self._etag = retained, info.etag
         for key in due:
             self.store.delete(key)
 
-    def _check_owner_best_effort(self) -> None:
+    def _put_manifest(self, manifest: Manifest) -> ObjectInfo:
+        data = manifest.to_bytes()
+        if self.store.conditional_writes:
+            if self._etag is None:
+                return self.store.put(MANIFEST_KEY, data, mode="create")
+            return self.store.put(MANIFEST_KEY, data, if_match=self._etag)
+        self._check_owner_best_effort()
+        info = self.store.put(MANIFEST_KEY, data)
+        self._check_owner_best_effort(after_write=True)
+        return info
+
+    def _merge_foreign_edit(self, ours: Manifest) -> Manifest:
+        try:
+            data, info = self.store.get_if_changed(MANIFEST_KEY, None) or (b"", None)
+            theirs = Manifest.from_bytes(data)
+        except ObjectNotFound:
+            theirs = None
+        if theirs is None or theirs.writer != self.writer or info is None:
+            raise ConflictError(
+                f"another writer changed {self.store.url}/{MANIFEST_KEY}: this publisher lost the prefix "
+                "(a second trainer, or a takeover); stop one of them",
+            )
+        # Only retired keys may differ (gc deleted some): keep ours minus what is already gone.
+        gone = {k for k, _ in (self._manifest.retired if self._manifest else ())} - {k for k, _ in theirs.retired}
+        self._etag = info.etag
+        return replace_manifest(ours, retired=tuple((k, t) for k, t in ours.retired if k not in gone))
+
+    def _check_owner_best_effort(self, *, after_write: bool = False) -> None:
+        """Without conditional writes: refuse to write over, or to keep, another writer's manifest.
+
+        Read before the write catches a takeover; read after the write catches
+        two writers racing to create the prefix (the later write wins the store,
+        the earlier writer sees it and stops).
+        """
         try:
             current = Manifest.from_bytes(self.store.get(MANIFEST_KEY))
         except ObjectNotFound:
             return
-        if current.writer != self.writer and self._etag is not None:
-            raise ConflictError(f"writer {current.writer[:8]} took over {self.store.url}; stopping", writer=current.writer)
+        if current.writer != self.writer and (after_write or self._etag is not None):
+            raise ConflictError(
+                f"writer {current.writer[:8]} owns {self.store.url}: another trainer is publishing here; "
+                "stop one of them or use another prefix",
+                writer=current.writer,
+            )
 
     # ------------------------------------------------------------------ worker
 
@@ -445,7 +488,10 @@ class Publisher:
             version, kind, step, nnz, 100 * info.sparsity, f"{info.bytes:,}", 1e3 * t_diff, 1e3 * info.t_total,
         )
         if self.on_publish is not None:
-            self.on_publish(info)
+            try:
+                self.on_publish(info)
+            except Exception:  # the version is committed; a user's callback cannot undo that
+                logger.exception("on_publish callback failed for v%d", version)
 
 
 ORPHAN_GRACE_S = 3600.0  # an object this old that no manifest names was left by a crashed publish
@@ -464,8 +510,8 @@ def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float 
         for info in store.list(prefix):
             if info.key in referenced:
                 continue
-            if info.modified is not None and now - info.modified < grace:
-                continue
+            if info.modified is None or now - info.modified < grace:
+                continue  # unknown or young: may belong to a publish in progress
             store.delete(info.key)
             removed.append(info.key)
     return removed

@@ -109,6 +109,11 @@ class Subscriber:
         poll_interval (`float`, *optional*): seconds between polls after a change.
         max_poll_interval (`float`, *optional*): idle backoff cap.
         on_update (`Callable[[UpdateInfo], None]`, *optional*): called after each update.
+        start_version (`int`, *optional*): the version the applier already holds (weights restored
+            from disk, for instance); pass it with ``run_id``. Routes then start from it, so a
+            restarted replica catches up by deltas instead of an anchor.
+        run_id (`str`, *optional*): the run ``start_version`` belongs to. A manifest of another run
+            is followed from one of its anchors, as without a start version.
 
     Example:
         ```python
@@ -130,8 +135,12 @@ class Subscriber:
         max_poll_interval: float = MAX_POLL_INTERVAL_S,
         fetch_workers: int = FETCH_WORKERS,
         on_update: Callable[[UpdateInfo], None] | None = None,
+        start_version: int | None = None,
+        run_id: str | None = None,
         **store_options: Any,
     ) -> None:
+        if (start_version is None) != (run_id is None) or (start_version is not None and start_version < 0):
+            raise ValueError("pass start_version (a non-negative version) and run_id together, or neither")
         self.store = open_store(store, **store_options)
         self.applier = applier
         self.replica_id = _safe_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -140,8 +149,8 @@ class Subscriber:
         self.stats = SubscriberStats()
         self._hooks: list[Callable[[UpdateInfo], None]] = [on_update] if on_update else []
         self._fetch = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="deltasync-fetch")
-        self._version: int | None = None
-        self._run_id: str | None = None
+        self._version: int | None = start_version
+        self._run_id: str | None = run_id
         self._etag: str | None = None
         self._manifest: Manifest | None = None
         self._bad: set[str] = set()
@@ -157,6 +166,11 @@ class Subscriber:
     def version(self) -> int | None:
         """The version in force, or ``None`` before the first update."""
         return self._version
+
+    @property
+    def run_id(self) -> str | None:
+        """The run the version in force belongs to (``None`` before the first update)."""
+        return self._run_id
 
     @property
     def latest(self) -> int | None:
@@ -212,10 +226,22 @@ class Subscriber:
         """Poll until ``stop`` (or :meth:`stop`) is set, backing off while idle."""
         stop = stop or self._stop
         interval = self.poll_interval
-        while not stop.is_set() and not self._stop.is_set():
-            updated = self.poll()
-            interval = self.poll_interval if updated else min(self.max_poll_interval, interval * 2)
-            stop.wait(interval)
+        feed = self.store.change_feed()
+        try:
+            while not stop.is_set() and not self._stop.is_set():
+                updated = self.poll()
+                interval = self.poll_interval if updated else min(self.max_poll_interval, interval * 2)
+                if feed is None:
+                    stop.wait(interval)
+                    continue
+                # Pushed changes wake us at once; the timeout keeps a slow poll as a safety net.
+                deadline = time.monotonic() + self.max_poll_interval
+                while not stop.is_set() and time.monotonic() < deadline:
+                    if feed.wait(MANIFEST_KEY, timeout=min(1.0, self.max_poll_interval)):
+                        break
+        finally:
+            if feed is not None:
+                feed.close()
 
     def poll(self) -> UpdateInfo | None:
         """One round: read the manifest and apply whatever is new. Never raises on bad input.
@@ -231,6 +257,11 @@ class Subscriber:
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
             logger.warning("replica %s keeps version %s: %s", self.replica_id, self._version, self.stats.last_error)
             return None
+        except Exception as exc:  # an applier or device failure: keep following, resync later
+            self.stats.rejected[type(exc).__name__] += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("replica %s failed to update from v%s", self.replica_id, self._version)
+            return None
 
     def update(self) -> UpdateInfo | None:
         """Like :meth:`poll` but raises typed errors instead of counting them."""
@@ -241,6 +272,13 @@ class Subscriber:
             current = self._version if manifest.run_id == self._run_id else None
             if current == manifest.latest:
                 return None
+            if current is not None and current > manifest.latest:
+                raise VersionError(
+                    f"replica holds v{current} but {self.store.url} ends at v{manifest.latest} of the same "
+                    "run (restored or rolled back?); restart the replica without a start version to resync",
+                    current=current,
+                    latest=manifest.latest,
+                )
             plan = plan_route(manifest, current, avoid=self._bad)
             if plan is None:
                 raise VersionError(
@@ -250,7 +288,10 @@ class Subscriber:
                 )
             info = self._execute(manifest, plan)
         for hook in self._hooks:
-            hook(info)
+            try:
+                hook(info)
+            except Exception:  # a user's hook must not stop the replica from following
+                logger.exception("on_update hook %r failed", hook)
         return info
 
     # ------------------------------------------------------------------ internals
@@ -304,7 +345,12 @@ class Subscriber:
             t0 = time.perf_counter()
             decoded = self._check_and_decode(step, blobs, previous_version=self._held(manifest))
             t1 = time.perf_counter()
-            self.applier.apply(decoded)
+            try:
+                self.applier.apply(decoded)
+            except BaseException:
+                # Weights may be partly written: only an anchor can make them whole again.
+                self._set_version(None, None)
+                raise
             t_apply += time.perf_counter() - t1
             t_decode += t1 - t0
             self._set_version(manifest.run_id, step.version)
@@ -366,7 +412,7 @@ class Subscriber:
                 raise
         return decoded
 
-    def _set_version(self, run_id: str, version: int) -> None:
+    def _set_version(self, run_id: str | None, version: int | None) -> None:
         with self._changed:
             self._run_id, self._version = run_id, version
             self._changed.notify_all()

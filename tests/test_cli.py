@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+from deltasync.appliers import TorchModuleApplier
 from deltasync.cli import main
+from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.publisher import Publisher
+from deltasync.stores import LocalStore
+from deltasync.subscriber import Subscriber
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -57,7 +71,358 @@ class TestInspect:
         }
         result = subprocess.run(
             [sys.executable, "-m", "deltasync.cli", "inspect", "--json", server.store_url("cli") + "/deltas/000002.safetensors"],
-            capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env},
+            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
         )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["version"] == 2
+
+
+# ---------------------------------------------------------------------- status, gc, watch
+
+# Never let a publish coalesce or add an anchor unless a test asks: versions stay predictable.
+NO_EXTRA_ANCHORS = {"anchor_every": 1000, "anchor_ratio": 1000.0}
+
+
+class Tiny(torch.nn.Module):
+    """A small model with a tied head (published once, as ``embed.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def train_step(model: torch.nn.Module, gen: torch.Generator, fraction: float = 0.03) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < fraction
+            p.add_(mask * torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def publish_steps(publisher: Publisher, model: torch.nn.Module, gen: torch.Generator, steps: range) -> None:
+    for step in steps:
+        if step:
+            train_step(model, gen)
+        publisher.publish(step, block=True)
+    publisher.flush()
+
+
+def published_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.bfloat16).view(torch.int16) for n, p in model.named_parameters()}
+
+
+def checkpoint_bits(directory: Path) -> dict[str, torch.Tensor]:
+    return {n: t.view(torch.int16) for n, t in load_file(directory / "model.safetensors").items()}
+
+
+def assert_bit_exact(directory: Path, model: torch.nn.Module) -> None:
+    got, want = checkpoint_bits(directory), published_bits(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def state_of(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "deltasync.json").read_text())
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> Iterator[tuple[str, Tiny, Publisher, torch.Generator]]:
+    torch.manual_seed(0)
+    model, url = Tiny(), str(tmp_path / "run")
+    publisher = Publisher(model, url, **NO_EXTRA_ANCHORS)
+    yield url, model, publisher, torch.Generator().manual_seed(1)
+    publisher.close()
+
+
+class TestWatch:
+    def test_initialise_then_resume_with_deltas_only(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(3))
+        ckpt = tmp_path / "ckpt"
+        first = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
+        assert first.returncode == 0, first.stderr
+        assert "initialised" in first.stdout and "v2" in first.stdout
+        assert_bit_exact(ckpt, model)
+        assert state_of(ckpt)["version"] == 2 and state_of(ckpt)["clean"] is True
+        assert not (ckpt / ".deltasync-init").exists()
+
+        publish_steps(publisher, model, gen, range(3, 5))
+        # Without its anchor objects the store can only serve deltas: a resume must not need one.
+        for anchor in (Path(url) / "anchors").iterdir():
+            anchor.unlink()
+        second = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
+        assert second.returncode == 0, second.stderr
+        assert "v2 of run" in second.stdout and "from 2 via delta+delta" in second.stdout
+        assert "anchor" not in second.stdout
+        assert_bit_exact(ckpt, model)
+        assert state_of(ckpt)["version"] == 4
+
+        third = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
+        assert third.returncode == 0 and "up to date at v4" in third.stdout
+
+    def test_corrupt_delta_leaves_checkpoint_unchanged(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        ckpt = tmp_path / "ckpt"
+        assert run("watch", url, "--model", str(ckpt), "--once", "--no-ack").returncode == 0
+        before = (ckpt / "model.safetensors").read_bytes(), state_of(ckpt)["version"]
+        publish_steps(publisher, model, gen, range(2, 4))
+        manifest = Manifest.from_bytes((Path(url) / MANIFEST_KEY).read_bytes())
+        delta = Path(url) / manifest.entry(2).delta[0].key  # type: ignore[union-attr]
+        data = bytearray(delta.read_bytes())
+        data[-1] ^= 0xFF
+        delta.write_bytes(bytes(data))
+
+        result = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
+        assert result.returncode == 2
+        assert "IntegrityError" in result.stderr and "Traceback" not in result.stderr
+        assert ((ckpt / "model.safetensors").read_bytes(), state_of(ckpt)["version"]) == before
+        assert state_of(ckpt)["clean"] is True
+
+    def test_torn_checkpoint_is_repaired_from_an_anchor(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(3))
+        ckpt = tmp_path / "ckpt"
+        assert run("watch", url, "--model", str(ckpt), "--once", "--no-ack").returncode == 0
+        # As if killed mid-apply: half-written elements, state not clean.
+        state = state_of(ckpt) | {"clean": False}
+        (ckpt / "deltasync.json").write_text(json.dumps(state))
+        with open(ckpt / "model.safetensors", "r+b") as f:
+            f.seek(-64, os.SEEK_END)
+            f.write(b"\x7f" * 64)
+        publish_steps(publisher, model, gen, range(3, 4))
+        result = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
+        assert result.returncode == 0, result.stderr
+        assert "no resumable version" in result.stdout and "via anchor" in result.stdout
+        assert_bit_exact(ckpt, model)
+        assert state_of(ckpt)["clean"] is True and state_of(ckpt)["version"] == 3
+
+    def test_follows_until_ctrl_c(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        ckpt = tmp_path / "ckpt"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltasync.cli", "watch", url, "--model", str(ckpt), "--interval", "0.1",
+             "--replica-id", "follower"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        lines: Queue[str] = Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+        reader.start()
+
+        def wait_for(text: str) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if text in lines.get(timeout=1):
+                        return
+                except Empty:
+                    continue
+            proc.kill()
+            raise AssertionError(f"watch never printed {text!r}: {proc.stderr.read()}")  # type: ignore[union-attr]
+
+        try:
+            wait_for("watching")
+            publish_steps(publisher, model, gen, range(2, 4))
+            wait_for("v3 (step 3)")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        reader.join(timeout=10)
+        out, err = "".join(lines.queue), proc.stderr.read()  # type: ignore[union-attr]
+        assert proc.returncode == 0, err
+        assert "stopped at v3" in out and "Traceback" not in err
+        assert_bit_exact(ckpt, model)
+        ack = json.loads((Path(url) / "acks" / "follower.json").read_text())
+        assert ack["version"] == 3
+
+    def test_nothing_published(self, tmp_path: Path) -> None:
+        result = run("watch", str(tmp_path / "empty"), "--model", str(tmp_path / "ckpt"), "--once")
+        assert result.returncode == 2 and "nothing published" in result.stderr
+        assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+
+    def test_checkpoint_in_another_dtype_is_refused(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(1))
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        save_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, ckpt / "model.safetensors")
+        result = run("watch", url, "--model", str(ckpt), "--once")
+        assert result.returncode == 2
+        assert "TensorMismatch" in result.stderr and "F32" in result.stderr and "BF16" in result.stderr
+
+
+class TestStatus:
+    def test_versions_anchors_and_replica_lag(self, trainer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        stale = Tiny()
+        with Subscriber(url, TorchModuleApplier(stale), replica_id="replica-stale") as sub:
+            assert sub.update() is not None
+        publish_steps(publisher, model, gen, range(2, 4))
+        current = Tiny()
+        with Subscriber(url, TorchModuleApplier(current), replica_id="replica-current") as sub:
+            assert sub.update() is not None
+
+        assert main(["status", "--json", url]) == 0
+        info = json.loads(capsys.readouterr().out)
+        manifest = Manifest.from_bytes((Path(url) / MANIFEST_KEY).read_bytes())
+        assert info["run_id"] == manifest.run_id and info["fingerprint"] == manifest.fingerprint
+        assert info["latest"]["version"] == 3 and info["latest"]["step"] == 3 and info["lease_live"]
+        assert [a["version"] for a in info["anchors"]] == [0]
+        assert [v["version"] for v in info["versions"]] == [3, 2, 1, 0]
+        v3 = info["versions"][0]
+        assert v3["kinds"] == ["delta"] and v3["nnz"] == manifest.entry(3).nnz  # type: ignore[union-attr]
+        assert v3["sparsity"] == pytest.approx(1 - v3["nnz"] / manifest.numel)
+        assert info["total_bytes"] == sum(o.size for v in manifest.versions for o in v.objects())
+        lag = {r["replica"]: r["lag_versions"] for r in info["replicas"]}
+        assert lag == {"replica-current": 0, "replica-stale": 2}
+
+        assert main(["status", url, "--versions", "2"]) == 0
+        out = capsys.readouterr().out
+        assert manifest.run_id in out and "lease live" in out and "v3 (step 3)" in out
+        assert "replica-stale" in out and "delta" in out and "anchors    v0" in out
+
+    def test_missing_manifest(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["status", str(tmp_path / "nowhere")]) == 2
+        assert "nothing has been published" in capsys.readouterr().err
+        assert not (tmp_path / "nowhere").exists()  # a read leaves no directory behind
+        (tmp_path / "empty").mkdir()
+        assert main(["status", str(tmp_path / "empty")]) == 2
+        assert "no manifest.json" in capsys.readouterr().err
+
+    def test_url_credentials_are_not_printed(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["status", "ftp://user:hunter2@host/run?token=hunter3"]) == 2
+        out, err = capsys.readouterr()
+        assert "ftp://host/run" in err and "hunter" not in out + err
+
+    def test_s3_through_the_environment(self, servers: dict[str, Any]) -> None:
+        server = servers["get"]("s3")
+        url = server.store_url(f"status-{os.getpid()}-{time.monotonic_ns()}")
+        torch.manual_seed(0)
+        model = Tiny()
+        with Publisher(model, url, **server.store_options(), **NO_EXTRA_ANCHORS) as publisher:
+            publish_steps(publisher, model, torch.Generator().manual_seed(1), range(3))
+        env = {
+            "AWS_ENDPOINT_URL": server.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_REGION": server.region,
+            "AWS_ACCESS_KEY_ID": server.access_key_id, "AWS_SECRET_ACCESS_KEY": server.secret_access_key,
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "deltasync.cli", "status", "--json", url],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+        )
+        assert result.returncode == 0, result.stderr
+        info = json.loads(result.stdout)
+        assert info["store"] == url and info["latest"]["version"] == 2
+        assert server.secret_access_key not in result.stdout + result.stderr
+        assert server.access_key_id not in result.stdout + result.stderr
+
+
+def orphan(url: str, key: str, age_s: float) -> int:
+    path = Path(url) / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"left by a crashed publish")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path.stat().st_size
+
+
+class TestGc:
+    def test_orphans_dry_run_then_delete(self, trainer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        old = orphan(url, "deltas/0000000099-deadbeef.safetensors", age_s=7200)
+        orphan(url, "anchors/0000000099-cafecafe-part0000.safetensors", age_s=10)  # maybe still uploading
+
+        assert main(["gc", url, "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "would delete orphan   deltas/0000000099-deadbeef.safetensors" in out
+        assert "cafecafe" not in out and f"would free {old} B ({old:,} bytes) in 1 objects" in out
+        assert (Path(url) / "deltas/0000000099-deadbeef.safetensors").exists()
+
+        assert main(["gc", url]) == 0
+        out = capsys.readouterr().out
+        assert f"freed {old} B" in out and "deleted orphan" in out
+        assert not (Path(url) / "deltas/0000000099-deadbeef.safetensors").exists()
+        assert (Path(url) / "anchors/0000000099-cafecafe-part0000.safetensors").exists()
+        # Everything the manifest names is still there.
+        manifest = Manifest.from_bytes((Path(url) / MANIFEST_KEY).read_bytes())
+        assert all((Path(url) / o.key).exists() for v in manifest.versions for o in v.objects())
+
+    def test_live_writer_protects_young_orphans(self, trainer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(1))
+        orphan(url, "deltas/0000000099-deadbeef.safetensors", age_s=60)
+        assert main(["gc", url, "--grace", "0"]) == 0
+        out = capsys.readouterr().out
+        assert "lease is live" in out and "in 0 objects" in out
+        assert (Path(url) / "deltas/0000000099-deadbeef.safetensors").exists()
+
+    @staticmethod
+    def _retire(url: str, *, lease_s: float) -> tuple[Manifest, list[str]]:
+        """Publish so that retention retires version 0 and 1 (one anchor kept)."""
+        torch.manual_seed(0)
+        model, gen = Tiny(), torch.Generator().manual_seed(1)
+        with Publisher(model, url, anchor_every=2, anchor_ratio=1000.0, keep_anchors=1, lease_s=lease_s) as publisher:
+            publish_steps(publisher, model, gen, range(3))
+        path = Path(url) / MANIFEST_KEY
+        if lease_s > 1:  # close() released the lease: put back a live one, as a running trainer holds
+            raw = json.loads(path.read_bytes())
+            raw["lease_until"] = time.time() + lease_s
+            path.write_text(json.dumps(raw))
+        manifest = Manifest.from_bytes(path.read_bytes())
+        retired = [k for k, _ in manifest.retired]
+        assert retired and all((Path(url) / k).exists() for k in retired)
+        return manifest, retired
+
+    def test_retired_objects_removed_with_compare_and_swap(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        url = str(tmp_path / "run")
+        before, retired = self._retire(url, lease_s=0.01)
+        time.sleep(0.05)  # the lease runs out
+
+        assert main(["gc", url, "--grace", "0", "--dry-run"]) == 0
+        assert all(f"would delete retired  {k}" in capsys.readouterr().out for k in retired[:1])
+        assert all((Path(url) / k).exists() for k in retired)
+
+        assert main(["gc", url, "--grace", "0"]) == 0
+        out = capsys.readouterr().out
+        assert all(f"deleted retired  {k}" in out for k in retired)
+        assert not any((Path(url) / k).exists() for k in retired)
+        after = Manifest.from_bytes((Path(url) / MANIFEST_KEY).read_bytes())
+        assert after.retired == () and after.versions == before.versions and after.writer == before.writer
+
+    def test_retired_objects_wait_for_their_grace(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        url = str(tmp_path / "run")
+        _, retired = self._retire(url, lease_s=0.01)
+        assert main(["gc", url]) == 0  # default grace: 300 s
+        assert "in 0 objects" in capsys.readouterr().out
+        assert all((Path(url) / k).exists() for k in retired)
+
+    def test_live_lease_leaves_the_manifest_alone(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        url = str(tmp_path / "run")
+        _, retired = self._retire(url, lease_s=600)
+        before = (Path(url) / MANIFEST_KEY).read_bytes()
+        assert main(["gc", url, "--grace", "0"]) == 0
+        assert "holds the lease" in capsys.readouterr().out
+        assert (Path(url) / MANIFEST_KEY).read_bytes() == before
+        assert all((Path(url) / k).exists() for k in retired)
+
+    def test_no_compare_and_swap_skips_manifest_edits(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        url = str(tmp_path / "run")
+        _, retired = self._retire(url, lease_s=0.01)
+        time.sleep(0.05)
+        monkeypatch.setattr(LocalStore, "conditional_writes", False)
+        assert main(["gc", url, "--grace", "0"]) == 0
+        assert "no compare-and-swap" in capsys.readouterr().out
+        assert all((Path(url) / k).exists() for k in retired)
+
+    def test_missing_manifest(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["gc", str(tmp_path / "nowhere")]) == 2
+        assert "no manifest.json" in capsys.readouterr().err

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync.diff import Snapshot, _flat_nonzero, diff
+import deltasync.diff as diff_module
+from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import bits_view, fingerprint
 
@@ -74,6 +78,78 @@ class TestChunking:
         snap = Snapshot.capture(weights)
         weights["w"][[3, 50, 99]] = 1.0
         assert diff(snap, weights, chunk=10).changes[0].indices.tolist() == [3, 50, 99]
+
+
+PUBLISHED = {"BF16": (torch.bfloat16, torch.int16), "F16": (torch.float16, torch.int16), "F32": (torch.float32, torch.int32)}
+
+
+def at_offset(tensor: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of 1-D ``tensor`` that starts ``offset`` elements into its storage."""
+    storage = torch.zeros(tensor.numel() + offset, dtype=tensor.dtype)
+    view = storage[offset:]
+    view.copy_(tensor)
+    return view
+
+
+class TestWordCompare:
+    """The int64-word comparison, its element-wise fallbacks and both expanders agree with numpy."""
+
+    @pytest.mark.parametrize("expander", ["numpy", "torch"])
+    @settings(max_examples=60, deadline=None)
+    @given(
+        n=st.sampled_from([1, 3, 4, 5, 17, 1000, 4099, 40_003]),
+        density=st.sampled_from([0.0, 0.001, 0.01, 0.2, 1.0]),
+        published=st.sampled_from(sorted(PUBLISHED)),
+        master=st.booleans(),
+        live_offset=st.integers(0, 3),
+        snapshot_offset=st.integers(0, 3),
+        chunk=st.sampled_from([3, 8, 64, 1 << 22]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_matches_elementwise_reference(
+        self, expander: str, n: int, density: float, published: str, master: bool,
+        live_offset: int, snapshot_offset: int, chunk: int, seed: int,
+    ) -> None:
+        dtype, bits = PUBLISHED[published]
+        gen = torch.Generator().manual_seed(seed)
+        info = torch.iinfo(bits)
+        old = torch.randint(info.min, info.max, (n,), dtype=bits, generator=gen)  # NaNs, -0.0, subnormals too
+        new = old.clone()
+        picked = torch.rand(n, generator=gen) < density
+        new[picked] += torch.randint(1, 3, (int(picked.sum()),), dtype=bits, generator=gen)
+        live = new.view(dtype)
+        if master and published != "F32":
+            # fp32 masters: the published value is the cast, finer changes stay invisible
+            live = live.float() + torch.rand(n, generator=gen) * 1e-3 * live.float().abs() * (torch.rand(n, generator=gen) < 0.5)
+            new = live.to(dtype).view(bits)
+        snapshot = Snapshot({"w": at_offset(old.view(dtype), snapshot_offset)})
+        patch = diff_module._expand_torch if expander == "torch" else diff_module._expand_numpy
+        with mock.patch.object(diff_module, "_expand_numpy", patch):
+            got = diff(snapshot, {"w": at_offset(live, live_offset)}, chunk=chunk, dense_fraction=1.0)
+        expected = np.flatnonzero(new.numpy() != old.numpy())
+        if expected.size == 0:
+            assert got.changes == ()
+            return
+        (change,) = got.changes
+        assert change.indices.dtype == torch.int64 and change.values.dtype == bits == change.base.dtype
+        np.testing.assert_array_equal(change.indices.numpy(), expected)
+        np.testing.assert_array_equal(change.values.numpy(), new.numpy()[expected])
+        np.testing.assert_array_equal(change.base.numpy(), old.numpy()[expected])
+
+    def test_change_only_past_the_last_word(self) -> None:
+        weights = {"w": torch.zeros(7, dtype=BF16)}
+        snap = Snapshot.capture(weights)
+        weights["w"][6] = 1.0
+        change = diff(snap, weights).changes[0]
+        assert change.indices.tolist() == [6] and change.values.dtype == torch.int16
+
+    def test_dense_capture_of_fp32_masters_is_the_cast(self) -> None:
+        master = {"w": torch.randn(1001)}
+        snap = Snapshot.capture(master)
+        master["w"] += 1.0
+        change = diff(snap, master, chunk=64).changes[0]
+        assert change.dense
+        assert torch.equal(change.values, bits_view(master["w"].to(BF16)))
 
 
 class TestDense:
@@ -152,8 +228,8 @@ def test_diff_on_cuda_device() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 300), density=st.floats(0, 1), seed=st.integers(0, 2**16))
-def test_flat_nonzero_matches_nonzero(n: int, density: float, seed: int) -> None:
+@given(n=st.one_of(st.integers(0, 300), st.integers(4090, 20_000)), density=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_sparse_nonzero_matches_flatnonzero(n: int, density: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, generator=gen) < density
-    assert torch.equal(_flat_nonzero(mask), mask.nonzero().view(-1))
+    assert np.array_equal(_sparse_nonzero(mask.numpy()), np.flatnonzero(mask.numpy()))

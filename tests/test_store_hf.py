@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import time
 import traceback
 import uuid
@@ -19,6 +20,7 @@ import pytest
 
 from deltasync.errors import ObjectNotFound, PreconditionFailed, StoreError
 from deltasync.stores import open_store
+from deltasync.stores.base import ChangeFeed
 from deltasync.stores.hf import HFBucketStore, parse_bucket_url
 from tests.servers.hf import DEFAULT_BUCKET, FakeHub, serve
 
@@ -233,6 +235,213 @@ class TestBuckets:
         assert store.get_range("empty", 0, 10) == b""
         with pytest.raises(ValueError, match="bad byte range"):
             store.get_range("empty", 5, 2)
+
+
+FEED_WAKE_S = 5.0  # generous: a pushed change arrives in well under a second on loopback; polling takes 30 s
+
+
+def _feed_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("deltasync-hf-feed-")]
+
+
+@pytest.fixture
+def feed(store: HFBucketStore) -> Iterator[ChangeFeed]:
+    f = store.change_feed()
+    assert f is not None
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def held_events(hub: FakeHub) -> Iterator[FakeHub]:
+    """The fake Hub, with new event streams held until the test sets ``hub.events_open`` again."""
+    hub.events_open.clear()
+    yield hub
+    hub.events_open.set()
+
+
+class TestChangeFeed:
+    def test_put_wakes_a_waiter(self, store: HFBucketStore, feed: ChangeFeed) -> None:
+        woke: list[tuple[bool, float]] = []
+        started = threading.Event()
+
+        def waiter() -> None:
+            started.set()
+            woke.append((feed.wait("manifest.json", timeout=30), time.monotonic()))
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        started.wait()
+        t0 = time.monotonic()
+        store.put("manifest.json", b"v1")
+        thread.join(30)
+        assert woke and woke[0][0] is True
+        assert woke[0][1] - t0 < FEED_WAKE_S
+        assert feed.wait("manifest.json", timeout=0.2) is False  # consumed: nothing new since
+
+    def test_other_keys_do_not_wake(self, store: HFBucketStore, feed: ChangeFeed, hub: FakeHub) -> None:
+        sibling = open_store(store.url + "0", **hub.store_options())  # "run-x0" shares the bucket
+        store.put("deltas/000001.dsd", b"delta")
+        sibling.put("manifest.json", b"someone else's")
+        t0 = time.monotonic()
+        assert feed.wait("manifest.json", timeout=1.0) is False
+        assert time.monotonic() - t0 >= 0.9  # it blocked for the timeout, not a busy return
+        assert feed.wait("deltas/000001.dsd", timeout=0) is True  # that change was seen, per key
+        store.delete("manifest.json")  # deleting what is absent changes nothing: no event
+        assert feed.wait("manifest.json", timeout=0.5) is False
+        store.put("manifest.json", b"v1")
+        store.delete("manifest.json")
+        assert feed.wait("manifest.json", timeout=FEED_WAKE_S) is True
+        assert feed.wait("manifest.json", timeout=0.5) is False  # put + delete since the last call: one wake
+
+    def test_resumes_from_cursor_after_a_dropped_stream(
+        self, store: HFBucketStore, feed: ChangeFeed, held_events: FakeHub
+    ) -> None:
+        hub = held_events
+        store.put("a", b"1")
+        assert feed.wait("a", timeout=FEED_WAKE_S)
+        cursor = str(hub.cursors[store.bucket_id])
+        requests = len(hub.event_requests)
+        hub.drop_event_streams()
+        assert feed.wait("untouched", timeout=FEED_WAKE_S) is True  # a lost stream wakes every key once
+        store.put("manifest.json", b"written while the feed was down")
+        deadline = time.monotonic() + FEED_WAKE_S
+        while len(hub.event_requests) == requests and time.monotonic() < deadline:
+            time.sleep(0.05)  # the fake holds the reconnect; only its arrival is awaited here
+        assert hub.event_requests[requests:] == [{"cursor": cursor}]
+        hub.events_open.set()
+        assert feed.wait("manifest.json", timeout=FEED_WAKE_S) is True  # replayed from the cursor
+        assert feed.wait("untouched", timeout=0.5) is False  # a resume is not a reset
+        store.put("manifest.json", b"live again")
+        assert feed.wait("manifest.json", timeout=FEED_WAKE_S) is True
+
+    def test_reset_when_the_cursor_is_too_old(
+        self, store: HFBucketStore, feed: ChangeFeed, held_events: FakeHub, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        hub = held_events
+        monkeypatch.setattr(hub, "replay_batches", 1)
+        store.put("a", b"1")
+        assert feed.wait("a", timeout=FEED_WAKE_S)
+        old = str(hub.cursors[store.bucket_id])
+        hub.drop_event_streams()
+        assert feed.wait("untouched", timeout=FEED_WAKE_S) is True
+        requests = len(hub.event_requests)
+        store.put("b", b"2")
+        store.put("c", b"3")  # the fake keeps one batch: "b" can no longer be replayed
+        hub.events_open.set()
+        assert feed.wait("untouched", timeout=FEED_WAKE_S) is True  # reset: everything may have changed
+        deadline = time.monotonic() + FEED_WAKE_S
+        while len(hub.event_requests) < requests + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hub.event_requests[requests : requests + 2] == [{"cursor": old}, {}]  # then a fresh stream
+        store.put("manifest.json", b"after the reset")
+        assert feed.wait("manifest.json", timeout=FEED_WAKE_S) is True
+
+    def test_close_stops_the_thread_at_once(self, store: HFBucketStore) -> None:
+        before = len(_feed_threads())
+        feed = store.change_feed()
+        assert feed is not None and len(_feed_threads()) == before + 1
+        t0 = time.monotonic()
+        feed.close()
+        assert time.monotonic() - t0 < 1.0  # the Hub pings every ~30 s; close does not wait for it
+        assert len(_feed_threads()) == before
+        assert feed.wait("manifest.json", timeout=0.1) is False
+        feed.close()  # idempotent
+
+    def test_store_close_closes_its_feeds(self, hub: FakeHub) -> None:
+        before = len(_feed_threads())
+        s = open_store(hub.store_url(f"run-{uuid.uuid4().hex[:8]}"), **hub.store_options())
+        assert s.change_feed() is not None and s.change_feed() is not None
+        assert len(_feed_threads()) == before + 2
+        s.close()
+        assert len(_feed_threads()) == before
+
+    @pytest.mark.parametrize("case", ["bad token", "no bucket", "no parser"])
+    def test_unavailable_feed_means_polling(
+        self, hub: FakeHub, case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        caplog.set_level(logging.DEBUG)
+        options = hub.store_options()
+        url = hub.store_url("feedless")
+        if case == "bad token":
+            options["token"] = SECRET
+        elif case == "no bucket":
+            url = hub.store_url("feedless", bucket="deltasync/nope")
+        else:
+            monkeypatch.setattr("deltasync.stores.hf._live_follow_reader", lambda: None)
+        before = len(_feed_threads())
+        assert open_store(url, **options).change_feed() is None
+        assert len(_feed_threads()) == before
+        assert "polled" in caplog.text and SECRET not in caplog.text
+
+    def test_fake_feed_speaks_huggingface_hubs_format(self, hub: FakeHub) -> None:
+        # The fake's wire format, checked by huggingface_hub's own follower (resume via ?since=).
+        live = pytest.importorskip("huggingface_hub._bucket_live_follow")
+        bucket = f"deltasync/feed-{uuid.uuid4().hex[:6]}"
+        s = open_store(hub.store_url("run", bucket=bucket), create=True, **hub.store_options())
+        s.put("early", b"before the follower")
+        seen: list[Any] = []
+        got = threading.Event()
+
+        def on_changes(changes: list[Any]) -> None:
+            seen.extend(changes)
+            got.set()
+
+        stop = threading.Event()
+        follower = live.BucketFollower(
+            endpoint=hub.endpoint,
+            bucket_id=bucket,
+            token=hub.store_options()["token"],
+            on_changes=on_changes,
+            on_reconcile=lambda: None,
+            is_alive=lambda: not stop.is_set(),
+        )
+        follower.start()
+        assert got.wait(FEED_WAKE_S)  # the batch at updatedAt, replayed from ?since=
+        assert [(c.path, c.op) for c in seen] == [("run/early", "add")]
+        deadline = time.monotonic() + FEED_WAKE_S
+        while not follower.subscribed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        got.clear()
+        info = s.put("early", b"overwritten")
+        assert got.wait(FEED_WAKE_S)
+        change = seen[-1]
+        assert (change.path, change.op, change.size, change.xet_hash) == ("run/early", "update", 11, info.etag)
+        assert change.uploaded_at is not None and change.mtime is not None
+        stop.set()
+        s.delete("early")  # the follower notices it should stop when the stream next speaks
+        follower.join(FEED_WAKE_S)
+        assert not follower.is_alive()
+        assert [r for r in hub.event_requests if "since" in r]
+
+    def test_subscriber_wakes_on_publish(self, hub: FakeHub) -> None:
+        torch = pytest.importorskip("torch")
+        from deltasync.publisher import Publisher
+        from deltasync.subscriber import Subscriber
+        from tests.test_sync import assert_exact, model, replica, train
+
+        url = hub.store_url(f"run-{uuid.uuid4().hex[:8]}")
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        rep, applier = replica()
+        # Polling alone would look again only 30 s after each look; the feed must wake it first.
+        sub = Subscriber(url, applier, poll_interval=30, max_poll_interval=30, **hub.store_options())
+        with Publisher(trainer, open_store(url, **hub.store_options())) as pub:
+            sub.start()
+            try:
+                time.sleep(0.5)  # let the subscriber find nothing and settle into waiting on the feed
+                for step in range(3):
+                    train(trainer, opt)
+                    pub.publish(step, block=True)
+                    pub.flush()
+                    t0 = time.monotonic()
+                    assert pub.version is not None
+                    assert sub.wait_for(pub.version, timeout=20), f"v{pub.version} not seen in 20 s"
+                    assert time.monotonic() - t0 < FEED_WAKE_S
+                assert_exact(trainer, rep)
+                assert sub.stats.polls <= 8  # woken per publish, not polling in a loop
+            finally:
+                sub.close()
 
 
 def test_serve_leaves_environment_alone() -> None:

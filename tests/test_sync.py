@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltasync.appliers import TorchModuleApplier
-from deltasync.errors import ConflictError, FingerprintMismatch, IntegrityError, StoreError
+from deltasync.errors import ConflictError, FingerprintMismatch, IntegrityError, StoreError, VersionError
 from deltasync.manifest import MANIFEST_KEY, Manifest
 from deltasync.publisher import Publisher
 from deltasync.stores import MemoryStore, Store
@@ -218,3 +218,87 @@ class TestReplicaRefusals:
         with pytest.raises(FingerprintMismatch):
             sub.update()
         assert torch.equal(before, other.weight)
+
+
+class TestLifecycle:
+    def test_close_releases_the_lease(self) -> None:
+        store = MemoryStore("release")
+        with Publisher(model(), store) as first:
+            first.publish(0)
+        trainer = model(seed=3)
+        with Publisher(trainer, store) as second:  # no takeover needed
+            second.publish(0)
+        assert Manifest.from_bytes(store.get(MANIFEST_KEY)).latest == 1
+
+    def test_publisher_survives_an_operators_manifest_edit(self) -> None:
+        store = MemoryStore("gc-edit")
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        pub = Publisher(trainer, store)
+        pub.publish(0, block=True)
+        pub.flush()
+        # An operator rewrites the manifest (same writer, e.g. gc dropping retired keys).
+        data, info = store.get_if_changed(MANIFEST_KEY, None)
+        store.put(MANIFEST_KEY, data, if_match=info.etag)
+        train(trainer, opt)
+        pub.publish(1, block=True)
+        pub.close()
+        assert pub.stats.failed == 0 and pub.version == 1
+
+    def test_replica_ahead_of_the_store_is_refused(self) -> None:
+        store = MemoryStore("ahead")
+        with Publisher(model(), store) as pub:
+            pub.publish(0)
+        run_id = Manifest.from_bytes(store.get(MANIFEST_KEY)).run_id
+        _, applier = replica()
+        sub = Subscriber(store, applier, start_version=7, run_id=run_id)
+        with pytest.raises(VersionError, match="rolled back"):
+            sub.update()
+
+    def test_failed_apply_forces_an_anchor(self) -> None:
+        store = MemoryStore("apply-fails")
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        rep, applier = replica()
+        sub = Subscriber(store, applier)
+        with Publisher(trainer, store, anchor_every=1000, anchor_ratio=100.0) as pub:
+            pub.publish(0, block=True)
+            pub.flush()
+            sub.update()
+            train(trainer, opt)
+            pub.publish(1, block=True)
+        original = applier.apply
+
+        def broken(decoded) -> None:
+            original(dict(list(decoded.items())[:1]))  # writes part, then fails
+            raise MemoryError("device out of memory")
+
+        applier.apply = broken
+        with pytest.raises(MemoryError):
+            sub.update()
+        assert sub.version is None  # partly written: the next route must be an anchor
+        applier.apply = original
+        assert sub.update().route[0] == "anchor"
+        assert_exact(trainer, rep)
+
+
+class TestUserCallbacks:
+    def test_raising_hooks_do_not_break_sync(self) -> None:
+        store = MemoryStore("hooks")
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+
+        def boom(info) -> None:
+            raise RuntimeError("user bug")
+
+        rep, applier = replica()
+        sub = Subscriber(store, applier, on_update=boom, poll_interval=0.01, max_poll_interval=0.05).start()
+        with Publisher(trainer, store, on_publish=boom, anchor_every=1) as pub:
+            for step in range(3):
+                train(trainer, opt)
+                pub.publish(step, block=True)
+        assert pub.stats.failed == 0
+        assert sub.wait_for(pub.version, timeout=20)
+        sub.close()
+        assert len(Manifest.from_bytes(store.get(MANIFEST_KEY)).anchors()) >= 2
+        assert_exact(trainer, rep)

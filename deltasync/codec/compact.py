@@ -38,12 +38,20 @@ _SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
 
 def values_digest(bits: np.ndarray) -> str:
     """Hash of new bit patterns; proves a base-relative decode reproduced them."""
-    return hashlib.blake2b(np.ascontiguousarray(bits).tobytes(), digest_size=8).hexdigest()
+    # hashlib reads the array's buffer in place (and releases the GIL): no tobytes() copy.
+    return hashlib.blake2b(np.ascontiguousarray(bits), digest_size=8).hexdigest()
 
 
-def _planes(words: np.ndarray) -> bytes:
+def _planes_into(out: np.ndarray, words: np.ndarray) -> None:
+    """Write the byte planes of ``words`` (all low bytes, then the next, ...) into ``out``."""
     width = words.dtype.itemsize
-    return words.view(np.uint8).reshape(-1, width).T.tobytes()
+    out.reshape(width, words.size)[...] = words.view(np.uint8).reshape(words.size, width).T
+
+
+def _planes(words: np.ndarray) -> np.ndarray:
+    out = np.empty(words.nbytes, dtype=np.uint8)
+    _planes_into(out, words)
+    return out
 
 
 def _unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
@@ -52,18 +60,45 @@ def _unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.nd
     return np.ascontiguousarray(planes.reshape(width, count).T).view(dtype).reshape(-1)
 
 
-def encode_indices(indices: np.ndarray, level: int) -> tuple[np.ndarray, dict[str, int]]:
-    """Gap-code sorted unique indices; return the blob and its params ``iw``, ``big``."""
-    gaps = np.diff(indices, prepend=-1) - 1
-    costs = []
+def _gaps(indices: np.ndarray) -> np.ndarray:
+    """``idx[i] - idx[i-1] - 1`` (the first against -1) as int64, without ``np.diff``'s prepend copy."""
+    gaps = np.empty(indices.size, dtype=np.int64)
+    if indices.size:
+        gaps[0] = indices[0]
+        np.subtract(indices[1:], indices[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    return gaps
+
+
+def _gap_width(gaps: np.ndarray) -> tuple[int, int]:
+    """The width (1, 2 or 4 bytes) minimising ``size * width + 8 * escapes``, and its escape count.
+
+    Widths are tried from the narrowest; once one needs no escape, every wider
+    one costs strictly more, so the remaining counting passes are skipped. Ties
+    go to the narrower width, as ``min`` over ``(cost, width, big)`` does.
+    """
+    best: tuple[int, int, int] | None = None
     for width in _WIDTHS:
         big = int(np.count_nonzero(gaps >= (1 << (8 * width)) - 1))
-        costs.append((gaps.size * width + 8 * big, width, big))
-    _, width, n_big = min(costs)
+        cost = (gaps.size * width + 8 * big, width, big)
+        best = cost if best is None else min(best, cost)
+        if big == 0:
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
+def encode_indices(indices: np.ndarray, level: int) -> tuple[np.ndarray, dict[str, int]]:
+    """Gap-code sorted unique indices; return the blob and its params ``iw``, ``big``."""
+    gaps = _gaps(indices)
+    width, n_big = _gap_width(gaps)
     escape = (1 << (8 * width)) - 1
-    is_big = gaps >= escape
-    main = np.where(is_big, escape, gaps).astype(_UNSIGNED[width])
-    payload = _planes(main) + gaps[is_big].astype(_UNSIGNED[8]).tobytes()
+    size = gaps.size * width
+    payload = np.empty(size + 8 * n_big, dtype=np.uint8)  # main planes, then the uint64 side stream
+    main = np.minimum(gaps, escape) if n_big else gaps
+    _planes_into(payload[:size], main.astype(_UNSIGNED[width]))
+    if n_big:
+        payload[size:] = gaps[gaps >= escape].astype(_UNSIGNED[8]).view(np.uint8)
     return compress(payload, level), {"iw": width, "big": n_big}
 
 
@@ -98,13 +133,18 @@ def _exponent_order(base: np.ndarray) -> np.ndarray:
     symbols.
     """
     mantissa_bits = 7 if base.dtype.itemsize == 2 else 23
-    exponent = (base.view(_UNSIGNED[base.dtype.itemsize]) >> mantissa_bits).astype(np.uint16) & 0xFF
+    # uint8 keeps exactly the 8 bits above the mantissa; a stable sort on one
+    # byte is a single radix pass (the order is unique, so identical to a
+    # stable sort on the same values held wider).
+    exponent = (base.view(_UNSIGNED[base.dtype.itemsize]) >> mantissa_bits).astype(np.uint8)
     return np.argsort(exponent, kind="stable")
 
 
 def _zigzag(delta: np.ndarray) -> np.ndarray:
     bits = delta.dtype.itemsize * 8
-    return ((delta << 1) ^ (delta >> (bits - 1))).view(_UNSIGNED[delta.dtype.itemsize])
+    out = delta << 1
+    out ^= delta >> (bits - 1)
+    return out.view(_UNSIGNED[delta.dtype.itemsize])
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
@@ -153,7 +193,7 @@ class CompactCodec(Codec):
         if base is None:
             raise ValueError("the compact codec needs the base values of the change")
         unsigned = _UNSIGNED[new.dtype.itemsize]
-        delta = (new.view(unsigned) - base.view(unsigned)).view(new.dtype)
+        delta = np.subtract(new.view(unsigned), base.view(unsigned)).view(new.dtype)
         return _zigzag(delta)[_exponent_order(base)]
 
     def _words_to_values(

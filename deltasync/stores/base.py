@@ -24,7 +24,7 @@ from typing import ClassVar, Literal, TypeVar
 
 from ..errors import ManifestError, StoreError
 
-__all__ = ["ObjectInfo", "Store", "PutMode", "check_key", "retry"]
+__all__ = ["ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "retry"]
 
 logger = logging.getLogger("deltasync.stores")
 
@@ -119,6 +119,15 @@ class Store(ABC):
         data = self.get(key)
         return data, ObjectInfo(key, len(data), info.etag, info.modified)
 
+    def change_feed(self) -> ChangeFeed | None:
+        """A push notification source for changed keys, where the backend has one.
+
+        ``None`` (the default) means readers poll. A backend with a feed (HF
+        buckets' server-sent events) returns a :class:`ChangeFeed`; readers then
+        block on it between polls instead of sleeping.
+        """
+        return None
+
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
         from ..errors import ObjectNotFound
@@ -140,6 +149,22 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class ChangeFeed(ABC):
+    """Push notifications of changed keys from a backend (see :meth:`Store.change_feed`)."""
+
+    @abstractmethod
+    def wait(self, key: str, timeout: float) -> bool:
+        """Block until ``key`` may have changed since the last call (``True``) or ``timeout`` passes.
+
+        Spurious ``True`` is allowed (the reader then polls once); a feed that
+        dropped (network, reset) must return ``True`` so the reader re-reads.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop following."""
 
 
 # Retry policy for transient store failures, after huggingface_hub's http_backoff:

@@ -13,6 +13,7 @@ request                                            called by
 ``POST /api/buckets/{id}/paths-info``              ``get_bucket_paths_info``, ``download_bucket_files``
 ``GET  /api/buckets/{id}/tree[/{prefix}]``         ``list_bucket_tree`` (lexical prefix, like the Hub)
 ``HEAD /buckets/{id}/resolve/{path}``              ``get_bucket_file_metadata`` (X-Xet-Hash, X-Linked-Size)
+``GET  /api/buckets/{id}/events``                  the bucket change feed (server-sent events, see below)
 =================================================  ========================================================
 
 File bytes never reach this server: hf_xet writes them to the local CAS directory named by the
@@ -20,6 +21,17 @@ token endpoints, and the batch names only a xet hash. The fake learns a file's s
 reconstructing it from that CAS (with hf_xet, the one reader of that format at hand) and refuses
 hashes the CAS does not hold. Errors carry the Hub's ``X-Error-Code`` header, which
 huggingface_hub turns into ``EntryNotFoundError`` / ``BucketNotFoundError``.
+
+The change feed speaks the wire format huggingface_hub's ``_bucket_live_follow`` reads (2.4):
+``Content-Type: text/event-stream``, chunked, one ``event: <name>`` / ``data: <JSON object>`` block
+per event, ``: ping`` comments while idle. Every batch that changed something is one ``changes``
+event ``{"cursor", "changes": [{"path", "op": "add"|"update"|"delete", "size", "xetHash",
+"uploadedAt", "mtime"}]}``; the cursor (the bucket's change count, opaque to clients) resumes
+strictly after it. ``?cursor=`` replays the retained batches after it, ``?since=<ISO8601>`` those
+uploaded since, no parameter none; then ``ready {"cursor"?}`` and live changes follow. A cursor
+older than the replay buffer (or unknown) gets ``reset {"reason"}`` and the stream ends; shutting
+the fake down ends open streams with ``reconnect {"cursor"}``. Tests can drop streams abruptly
+(:meth:`FakeHub.drop_event_streams`) and hold new ones (:attr:`FakeHub.events_open`).
 
 A request with a wrong token gets a 401 whose body *echoes the rejected token*: the real Hub does
 not, but it lets tests check that the store never repeats a token that came back in an error.
@@ -30,9 +42,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +60,10 @@ DEFAULT_BUCKET = "deltasync/test"
 """Bucket that exists from the start; :meth:`FakeHub.store_url` points into it."""
 EMPTY_XET_HASH = "0" * 64
 """hf_xet's hash of an empty file: nothing is stored in the CAS for it."""
+REPLAY_BATCHES = 1000
+"""Change batches a bucket keeps for feeds resuming from a cursor (older cursors get ``reset``)."""
+PING_S = 30.0
+"""Keep-alive interval of idle event streams, as the Hub's (about 30 s)."""
 
 Answer = tuple[int, Any, dict[str, str]]
 """What a handler returns: HTTP status, JSON body (``None`` for none) and extra headers."""
@@ -61,6 +79,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("POST", rf"/api/buckets/{_BUCKET}/paths-info", "paths_info"),
         ("GET", rf"/api/buckets/{_BUCKET}/tree(?:/(?P<prefix>.*))?", "tree"),
         ("HEAD", rf"/buckets/{_BUCKET}/resolve/(?P<path>.+)", "resolve"),
+        ("GET", rf"/api/buckets/{_BUCKET}/events", "events"),
     ]
 ]
 
@@ -85,6 +104,21 @@ class FakeHub:
         """``"METHOD /path"`` of every request, in arrival order."""
         self.lock = threading.Lock()
         self._xet: Any = None
+        # The change feed: per bucket, the retained batches (cursor, time, changes) and the last cursor.
+        self.changed = threading.Condition(self.lock)
+        self.batches: dict[str, deque[tuple[int, float, list[dict[str, Any]]]]] = {}
+        self.cursors: dict[str, int] = {}
+        self.replay_batches = REPLAY_BATCHES
+        self.ping_interval = PING_S
+        self.event_requests: list[dict[str, str]] = []
+        """Query parameters of every events request, in arrival order."""
+        self.events_open = threading.Event()
+        """Cleared, new event streams wait before answering (as if the Hub were unreachable)."""
+        self.events_open.set()
+        self.streams = 0
+        """Event streams being served right now."""
+        self._drops = 0
+        self._closing = False
 
     def store_url(self, prefix: str, bucket: str = DEFAULT_BUCKET) -> str:
         """``hf://buckets/<ns>/<name>/<prefix>`` for ``open_store``."""
@@ -108,6 +142,9 @@ class FakeHub:
         files = self._files(bucket)
         size = sum(entry["size"] for entry in files.values())
         info = {"id": bucket, "private": True, "createdAt": self.created[bucket], "size": size}
+        with self.lock:  # huggingface_hub's follower resumes a feed from updatedAt (?since=) after a reset
+            batches = self.batches.get(bucket)
+            info["updatedAt"] = _iso(batches[-1][1]) if batches else self.created[bucket]
         return 200, {**info, "totalFiles": len(files)}, {}
 
     def xet_token(self, bucket: str, kind: str, body: bytes, query: dict[str, str]) -> Answer:
@@ -119,7 +156,7 @@ class FakeHub:
     def batch(self, bucket: str, body: bytes, query: dict[str, str]) -> Answer:
         files = self._files(bucket)
         ops = [json.loads(line) for line in body.splitlines() if line.strip()]
-        failed = []
+        failed, changes = [], []
         for op in ops:
             if op["type"] == "addFile":
                 size = self.size_in_cas(op["xetHash"])
@@ -129,12 +166,17 @@ class FakeHub:
                 entry = {"type": "file", "path": op["path"], "size": size, "xetHash": op["xetHash"]}
                 entry.update(mtime=_iso(op["mtime"] / 1000), uploadedAt=_iso(time.time()))
                 with self.lock:
+                    kind = "update" if op["path"] in files else "add"
                     files[op["path"]] = entry
+                changes.append({"path": op["path"], "op": kind, **{k: entry[k] for k in _CHANGE_FIELDS}})
             elif op["type"] == "deleteFile":
                 with self.lock:
-                    files.pop(op["path"], None)  # like S3: deleting a missing path succeeds
+                    if files.pop(op["path"], None) is not None:  # like S3: deleting a missing path succeeds
+                        changes.append({"path": op["path"], "op": "delete"})
             else:
                 failed.append({"path": op.get("path", ""), "error": f"unsupported operation {op['type']!r}"})
+        if changes:
+            self._publish(bucket, changes)
         status = 422 if ops and len(failed) == len(ops) else 200
         return status, {"success": not failed, "failed": failed}, {}
 
@@ -165,6 +207,93 @@ class FakeHub:
         refresh = f"{self.endpoint}/api/buckets/{bucket}/xet-read-token"
         headers = {"X-Xet-Hash": entry["xetHash"], "X-Linked-Size": str(entry["size"])}
         return 200, None, {**headers, "Link": f'<{refresh}>; rel="xet-auth"', "Content-Length": str(entry["size"])}
+
+    def events(self, bucket: str, body: bytes, query: dict[str, str]) -> Answer:
+        self._files(bucket)
+        self.event_requests.append(dict(query))
+        cursor, since = query.get("cursor"), query.get("since")
+        if cursor is not None and not cursor.isdigit():
+            raise HubError(400, None, f"invalid cursor {cursor!r}")
+        try:
+            start = datetime.fromisoformat(since).timestamp() if since else None
+        except ValueError:
+            raise HubError(400, None, f"invalid since {since!r}") from None
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        return 200, self._follow(bucket, None if cursor is None else int(cursor), start), headers
+
+    # -- the change feed ------------------------------------------------------------------------
+
+    def drop_event_streams(self) -> None:
+        """Cut every open event stream without a word, as a crashed pod would (no ``reconnect``)."""
+        with self.changed:
+            self._drops += 1
+            self.changed.notify_all()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End open event streams with ``reconnect`` (as a Hub pod rotating) and wait for them."""
+        with self.changed:
+            self._closing = True
+            self.events_open.set()
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: self.streams == 0, timeout)
+
+    def _publish(self, bucket: str, changes: list[dict[str, Any]]) -> None:
+        with self.changed:
+            cursor = self.cursors[bucket] = self.cursors.get(bucket, 0) + 1
+            batches = self.batches.setdefault(bucket, deque())
+            batches.append((cursor, time.time(), changes))
+            while len(batches) > self.replay_batches:
+                batches.popleft()
+            self.changed.notify_all()
+
+    def _follow(self, bucket: str, cursor: int | None, since: float | None) -> Iterator[bytes | None]:
+        """The SSE byte blocks of one stream; ``None`` asks the handler to drop the connection."""
+        self.events_open.wait()
+        with self.changed:
+            self.streams += 1
+            drops, last = self._drops, self.cursors.get(bucket, 0)
+            batches = list(self.batches.get(bucket, ()))
+        try:
+            oldest = batches[0][0] if batches else last + 1  # the oldest batch still replayable
+            if cursor is not None:
+                after = cursor
+                if not oldest - 1 <= after <= last:
+                    yield _sse("reset", {"reason": f"cursor {after} is outside the replay buffer"})
+                    return
+            elif since is not None:
+                if oldest > 1 and (not batches or since < batches[0][1]):
+                    yield _sse("reset", {"reason": "since is older than the replay buffer"})
+                    return
+                after = next((c - 1 for c, at, _ in batches if at >= since), last)
+            else:
+                after = last
+            for number, _, changes in batches:
+                if number > after:
+                    yield _sse("changes", {"cursor": str(number), "changes": changes})
+            yield _sse("ready", {"cursor": str(last)} if last else {})
+            while True:
+                with self.changed:
+                    self.changed.wait_for(
+                        lambda: self.cursors.get(bucket, 0) > last or self._closing or self._drops != drops,
+                        self.ping_interval,
+                    )
+                    fresh = [b for b in self.batches.get(bucket, ()) if b[0] > last]
+                    closing, dropped = self._closing, self._drops != drops
+                if dropped:
+                    yield None
+                    return
+                for number, _, changes in fresh:
+                    yield _sse("changes", {"cursor": str(number), "changes": changes})
+                    last = number
+                if closing:
+                    yield _sse("reconnect", {"cursor": str(last)} if last else {})
+                    return
+                if not fresh:
+                    yield b": ping\n\n"
+        finally:
+            with self.changed:
+                self.streams -= 1
+                self.changed.notify_all()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -228,6 +357,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(method, status, payload, headers)
 
     def _answer(self, method: str, status: int, payload: Any, headers: dict[str, str]) -> None:
+        if isinstance(payload, Iterator):
+            self._stream(payload, headers)
+            return
         data = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -237,6 +369,27 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(data)
+
+    def _stream(self, blocks: Iterator[bytes | None], headers: dict[str, str]) -> None:
+        """Send server-sent events as they come, chunked; ``None`` drops the connection mid-stream."""
+        self.send_response(200)
+        for key, value in {**headers, "Transfer-Encoding": "chunked"}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        try:
+            for block in blocks:
+                if block is None:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away
+            self.close_connection = True
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # requests are recorded in FakeHub.calls instead of spamming stderr
@@ -259,6 +412,7 @@ def serve() -> Iterator[FakeHub]:
         try:
             yield hub
         finally:
+            hub.close()  # open event streams end first, so no handler thread outlives the server
             server.shutdown()
             server.server_close()
             thread.join()
@@ -270,3 +424,11 @@ def _iso(seconds: float) -> str:
 
 def _path(entry: dict[str, Any]) -> str:
     return str(entry["path"])
+
+
+_CHANGE_FIELDS = ("size", "xetHash", "uploadedAt", "mtime")
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    # huggingface_hub's SSE reader dispatches only events with a data line: an empty payload is "{}".
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
