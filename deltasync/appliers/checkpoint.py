@@ -52,8 +52,9 @@ import torch
 
 from ..codec import Decoded
 from ..errors import ConflictError, DeltaFormatError, FingerprintMismatch, TensorMismatch, VersionError
-from ..format import MAX_HEADER_BYTES, Header, check_compatible, raw_header, read_header
+from ..format import MAX_HEADER_BYTES, Header, raw_header, read_header
 from ..manifest import MANIFEST_KEY, Manifest
+from .base import check_header
 from ..tensors import DTYPE_BY_NAME, TensorSpec, dtype_name, fingerprint
 
 if TYPE_CHECKING:
@@ -188,17 +189,7 @@ class CheckpointDirApplier:
             `FingerprintMismatch`: made for another model.
             `TensorMismatch`: a carried tensor is unknown here or laid out differently.
         """
-        check_compatible(header, self.fingerprint)
-        for name, entry in header.tensors.items():
-            spec = self.specs.get(name)
-            if spec is None:
-                raise TensorMismatch(f"unknown tensor {name!r} in file; {self.directory} does not hold it", name=name)
-            if spec != entry.spec:
-                raise TensorMismatch(
-                    f"{name}: file has {entry.spec.dtype}{list(entry.spec.shape)}, "
-                    f"checkpoint has {spec.dtype}{list(spec.shape)}",
-                    name=name,
-                )
+        check_header(header, self.specs, self.fingerprint, holder=f"checkpoint in {self.directory}")
         self._pending = (header.version, header.kind)
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:

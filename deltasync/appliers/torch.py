@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
-from ..errors import TensorMismatch
-from ..format import Header, check_compatible
+from ..format import Header
+from .base import check_header
 from ..tensors import TensorSpec, bits_view, dtype_name, fingerprint, published_tensors
 
 __all__ = ["TorchModuleApplier"]
@@ -51,17 +51,7 @@ class TorchModuleApplier:
             `FingerprintMismatch`: made for another model.
             `TensorMismatch`: a carried tensor is unknown here or laid out differently.
         """
-        check_compatible(header, self.fingerprint)
-        for name, entry in header.tensors.items():
-            spec = self.specs.get(name)
-            if spec is None:
-                raise TensorMismatch(f"unknown tensor {name!r} in file", name=name)
-            if spec != entry.spec:
-                raise TensorMismatch(
-                    f"{name}: file has {entry.spec.dtype}{list(entry.spec.shape)}, "
-                    f"receiver has {spec.dtype}{list(spec.shape)}",
-                    name=name,
-                )
+        check_header(header, self.specs, self.fingerprint)
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""

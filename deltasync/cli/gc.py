@@ -1,0 +1,127 @@
+"""``deltasync gc URL``: delete retired objects past their grace period and orphans of crashed publishes.
+
+Retired objects are dropped from the manifest by a compare-and-swap write first, then deleted; on a
+store without compare-and-swap, or while a writer's lease is live, they are left to the publisher.
+Orphans (objects under ``deltas/`` and ``anchors/`` that no manifest names) are deleted once older
+than the grace period, which never drops below the publisher's while a lease is live. ``--dry-run``
+lists what would go and deletes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ObjectNotFound, PreconditionFailed
+from ..manifest import (
+    MANIFEST_KEY,
+    RETIRE_GRACE_S,
+    Manifest,
+    deletable,
+    referenced_keys,
+    replace_manifest,
+)
+from ._common import _duration, _load_manifest, _open, _size, safe_url
+
+if TYPE_CHECKING:
+    from ..stores import ObjectInfo, Store
+
+
+def _gc_retired(
+    store: Store, manifest: Manifest, etag: str | None, *, now: float, grace: float, dry_run: bool
+) -> tuple[list[tuple[str, int | None]], str | None]:
+    """Retired objects past their grace: deleted after a compare-and-swap manifest write drops them.
+
+    Returns:
+        `(removed, note)`: ``(key, size)`` of what was (or would be) deleted, and why nothing was, if so.
+    """
+    due, remaining = deletable(manifest, now=now, grace=grace)
+    if not due:
+        return [], None
+    if not store.conditional_writes or etag is None:
+        return [], f"{len(due)} retired objects are due, but this store has no compare-and-swap: left to the publisher"
+    if manifest.lease_until > now:
+        # Our write would change the etag under the live writer, whose next commit would then fail.
+        return [], (
+            f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
+            f"{_duration(manifest.lease_until - now)} and deletes them itself: manifest left alone"
+        )
+    removed = [(key, _object_size(store, key)) for key in due]
+    if dry_run:
+        return removed, None
+    try:
+        store.put(MANIFEST_KEY, replace_manifest(remaining, updated=now).to_bytes(), if_match=etag)
+    except PreconditionFailed:
+        return [], "the manifest changed while gc ran (a publisher is active): retired objects left alone; run gc again"
+    for key, _ in removed:
+        store.delete(key)
+    return removed, None
+
+
+def _object_size(store: Store, key: str) -> int | None:
+    try:
+        return store.head(key).size
+    except ObjectNotFound:
+        return None
+
+
+def _gc_orphans(
+    store: Store, manifest: Manifest, *, now: float, grace: float, dry_run: bool
+) -> list[tuple[str, int | None]]:
+    """Objects under ``deltas/`` and ``anchors/`` that no manifest names, older than ``grace``."""
+    from ..publisher import sweep_orphans
+
+    # The same rule as sweep_orphans, read first: it reports keys only, and --dry-run deletes nothing.
+    referenced = referenced_keys(manifest)
+    candidates: dict[str, ObjectInfo] = {
+        info.key: info
+        for prefix in ("deltas/", "anchors/")
+        for info in store.list(prefix)
+        if info.key not in referenced and (info.modified is None or now - info.modified >= grace)
+    }
+    if dry_run:
+        return [(key, info.size) for key, info in candidates.items()]
+    removed = sweep_orphans(store, manifest, now=now, grace=grace)
+    return [(key, candidates[key].size if key in candidates else None) for key in removed]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``gc`` on the ``deltasync`` subcommands."""
+    gc = sub.add_parser("gc", help="delete retired objects past their grace period and orphans of crashed publishes")
+    gc.add_argument("url", help="the run prefix")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    gc.add_argument(
+        "--grace", type=float, default=None, metavar="SECONDS",
+        help="minimum age of what is deleted (default: 300 s for retired objects, 3600 s for orphans)",
+    )
+    gc.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Delete (or with ``--dry-run`` list) what is due, and report what was freed."""
+    from ..publisher import ORPHAN_GRACE_S
+
+    with _open(args.url) as store:
+        manifest, etag = _load_manifest(store)
+        now = time.time()
+        retire_grace = RETIRE_GRACE_S if args.grace is None else args.grace
+        orphan_grace = ORPHAN_GRACE_S if args.grace is None else args.grace
+        notes = []
+        if manifest.lease_until > now and orphan_grace < ORPHAN_GRACE_S:
+            # A live writer's uploads are unnamed until its manifest write: they look like orphans.
+            notes.append(f"a writer's lease is live: orphans younger than {ORPHAN_GRACE_S:.0f} s are kept")
+            orphan_grace = ORPHAN_GRACE_S
+        retired, note = _gc_retired(store, manifest, etag, now=now, grace=retire_grace, dry_run=args.dry_run)
+        orphans = _gc_orphans(store, manifest, now=now, grace=orphan_grace, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"gc {safe_url(store.url)}{' (dry run)' if args.dry_run else ''}")
+    for label, removed in (("retired", retired), ("orphan", orphans)):
+        for key, size in removed:
+            print(f"  {verb} {label:<8} {key}  {_size(size)}")
+    for line in ([note] if note else []) + notes:
+        print(f"  note: {line}")
+    total = sum(size or 0 for _, size in retired + orphans)
+    count = len(retired) + len(orphans)
+    print(f"{'would free' if args.dry_run else 'freed'} {_size(total)} ({total:,} bytes) in {count} objects")
+    return 0

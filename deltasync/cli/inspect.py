@@ -1,0 +1,116 @@
+"""``deltasync inspect FILE``: a delta or anchor file's metadata, per-tensor codec, counts and sparsity.
+
+``FILE`` is a local path, or a store URL plus a key (``s3://bucket/run1/deltas/000007.safetensors``
+is read through the S3 backend). ``--json`` prints :func:`describe`'s dictionary instead of a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..format import Header, raw_header, read_header
+
+__all__ = ["describe"]
+
+
+def _read(target: str) -> bytes:
+    if "://" not in target or target.startswith("file://"):
+        return Path(target.removeprefix("file://")).read_bytes()
+    from ..stores import open_store
+
+    # The key is the last path component; everything before it is the store root.
+    root, _, key = target.rpartition("/")
+    with open_store(root) as store:
+        return store.get(key)
+
+
+def _part_sizes(data: bytes) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for key, entry in raw_header(data).items():
+        if key == "__metadata__":
+            continue
+        name = key.split("::", 1)[0]
+        start, end = entry["data_offsets"]
+        sizes[name] = sizes.get(name, 0) + end - start
+    return sizes
+
+
+def describe(header: Header, data: bytes) -> dict[str, Any]:
+    """A JSON-able description of a delta or anchor file."""
+    sizes = _part_sizes(data)
+    return {
+        "kind": header.kind,
+        "format_version": header.format_version,
+        "version": header.version,
+        "base_version": header.base_version,
+        "fingerprint": header.fingerprint,
+        "bytes": len(data),
+        "dense_bytes": sum(e.spec.numel * e.spec.torch_dtype.itemsize for e in header.tensors.values())
+        if header.kind == "anchor"
+        else None,
+        "numel": header.numel,
+        "nnz": header.nnz,
+        "sparsity": header.sparsity,
+        "tensors": [
+            {
+                "name": name,
+                "codec": e.codec,
+                "dtype": e.spec.dtype,
+                "shape": list(e.spec.shape),
+                "nnz": e.nnz,
+                "density": e.nnz / e.spec.numel if e.spec.numel else 0.0,
+                "bytes": sizes.get(name, 0),
+            }
+            for name, e in header.tensors.items()
+        ],
+    }
+
+
+def _print_inspect(info: dict[str, Any], limit: int) -> None:
+    base = f" (base {info['base_version']})" if info["base_version"] is not None else ""
+    print(f"{info['kind']} version {info['version']}{base}, format v{info['format_version']}")
+    print(f"model fingerprint  {info['fingerprint']}")
+    print(f"file size          {info['bytes']:,} bytes")
+    print(f"elements           {info['nnz']:,} of {info['numel']:,} carried (sparsity {100 * info['sparsity']:.4f} %)")
+    codecs: dict[str, int] = {}
+    for t in info["tensors"]:
+        codecs[t["codec"]] = codecs.get(t["codec"], 0) + 1
+    print(f"tensors            {len(info['tensors'])} ({', '.join(f'{n} {c}' for c, n in sorted(codecs.items()))})")
+    rows = sorted(info["tensors"], key=lambda t: -t["bytes"])[:limit]
+    if not rows:
+        return
+    width = max(len(t["name"]) for t in rows)
+    print(f"\n{'tensor':<{width}}  {'codec':<11} {'dtype':<5} {'shape':<14} {'changed':>10} {'density':>9} {'bytes':>11}")
+    for t in rows:
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        print(
+            f"{t['name']:<{width}}  {t['codec']:<11} {t['dtype']:<5} {shape:<14} "
+            f"{t['nnz']:>10,} {100 * t['density']:>8.3f}% {t['bytes']:>11,}"
+        )
+    if len(info["tensors"]) > limit:
+        print(f"... {len(info['tensors']) - limit} more (use --tensors N)")
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``inspect`` on the ``deltasync`` subcommands."""
+    inspect = sub.add_parser("inspect", help="show a delta or anchor file's metadata and per-tensor contents")
+    inspect.add_argument("file", help="a path, or a store URL ending in the object key")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.add_argument("--tensors", type=int, default=20, metavar="N", help="largest N tensors to list (default 20)")
+    inspect.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print a file's description (a table, or JSON with ``--json``)."""
+    data = _read(args.file)
+    info = describe(read_header(data), data)
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        _print_inspect(info, args.tensors)
+    return 0

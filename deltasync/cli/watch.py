@@ -1,0 +1,169 @@
+"""``deltasync watch URL --model DIR``: keep a safetensors checkpoint directory at the latest version.
+
+An empty directory is initialised from the newest anchor (waiting for one to be published unless
+``--once``); then a :class:`~deltasync.subscriber.Subscriber` applies every new version in place
+and the checkpoint records the version it holds, so a restarted watch resumes from there. Runs until
+Ctrl-C or SIGTERM (an update in progress finishes first); ``--once`` applies what is available and
+exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ObjectNotFound, VersionError
+from ._common import _load_manifest, _open, safe_url
+
+if TYPE_CHECKING:
+    from ..subscriber import Subscriber, UpdateInfo
+
+WAIT_INTERVAL_S = 5.0  # how often `watch` looks for a first anchor on an empty prefix
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``watch`` on the ``deltasync`` subcommands."""
+    watch = sub.add_parser("watch", help="keep a local safetensors checkpoint directory at the latest version")
+    watch.add_argument("url", help="the run prefix")
+    watch.add_argument(
+        "--model", required=True, metavar="DIR", help="checkpoint directory (initialised from an anchor if empty)"
+    )
+    watch.add_argument("--once", action="store_true", help="apply what is available, then exit")
+    watch.add_argument(
+        "--interval", type=float, default=None, metavar="S",
+        help="seconds between polls (default: 1 s after a change, backing off to 15 s)",
+    )
+    watch.add_argument("--replica-id", default=None, help="name in acks/ (default: watch-HOST-DIRNAME)")
+    watch.add_argument("--no-ack", action="store_true", help="do not write acks/<replica>.json")
+    watch.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Initialise the checkpoint if needed, then keep it at the latest version."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    directory = Path(args.model)
+    replica = args.replica_id or f"watch-{socket.gethostname()}-{directory.resolve().name}"
+    stop = threading.Event()
+    try:
+        from ..appliers.checkpoint import has_checkpoint
+
+        if not has_checkpoint(directory) and not _initialise(args, directory, replica, stop):
+            return 0
+        return _watch(args, directory, replica, stop)
+    except KeyboardInterrupt:
+        print("interrupted; the checkpoint records the last version applied", file=sys.stderr)
+        return 0
+
+
+def _watch(args: argparse.Namespace, directory: Path, replica: str, stop: threading.Event) -> int:
+    from ..appliers.checkpoint import CheckpointDirApplier
+    from ..subscriber import Subscriber
+
+    applier = CheckpointDirApplier(directory)
+    resume = applier.resume_options()
+    sub = Subscriber(
+        args.url, applier, replica_id=replica, ack=not args.no_ack, **resume, **_poll_options(args)
+    )
+    sub.add_hook(applier.recorder(sub))
+    sub.add_hook(_print_update)
+    where = (
+        f"v{resume['start_version']} of run {resume['run_id'][:8]}"
+        if resume
+        else "no resumable version: the next update uses an anchor"
+    )
+    print(f"watching {safe_url(sub.store.url)} into {directory} ({where})", flush=True)
+    try:
+        if args.once:
+            if sub.update() is None:
+                if sub.latest is None:
+                    raise VersionError(f"no versions published at {safe_url(sub.store.url)} yet")
+                print(f"up to date at v{sub.version}", flush=True)
+            return 0
+        _follow(sub, stop)
+        print(f"stopped at v{sub.version}", flush=True)
+        return 0
+    finally:
+        sub.close()
+        applier.close()
+
+
+def _poll_options(args: argparse.Namespace) -> dict[str, float]:
+    return {} if args.interval is None else {"poll_interval": args.interval, "max_poll_interval": args.interval}
+
+
+def _print_update(info: UpdateInfo) -> None:
+    print(
+        f"v{info.version} (step {info.step}) from {info.previous} via {'+'.join(info.route)}: "
+        f"{info.bytes:,} bytes, apply {1e3 * info.t_apply:.1f} ms, lag {info.lag_s:.2f} s",
+        flush=True,
+    )
+
+
+def _follow(sub: Subscriber, stop: threading.Event) -> None:
+    """Follow until Ctrl-C or SIGTERM; an update in progress finishes first, a crash is re-raised."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if in_main else None
+    failures: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            sub.run(stop)  # bad input is counted and logged inside; anything else ends the watch
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            failures.append(exc)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=follow, name="deltasync-watch", daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        stop.set()
+        thread.join()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    if failures:
+        raise failures[0]
+
+
+def _anchor_published(url: str) -> bool:
+    try:
+        with _open(url) as store:
+            manifest, _ = _load_manifest(store)
+    except ObjectNotFound:
+        return False
+    return bool(manifest.anchors())
+
+
+def _wait_for_anchor(args: argparse.Namespace, stop: threading.Event) -> bool:
+    """Whether an anchor is published; waits for one unless ``--once`` (``False``: stopped)."""
+    while not _anchor_published(args.url):
+        if args.once:
+            raise VersionError(
+                f"nothing published at {safe_url(args.url)} yet: no anchor to initialise {args.model} from"
+            )
+        print(f"waiting for a first anchor at {safe_url(args.url)}", flush=True)
+        if stop.wait(args.interval or WAIT_INTERVAL_S):
+            return False
+    return True
+
+
+def _initialise(args: argparse.Namespace, directory: Path, replica: str, stop: threading.Event) -> bool:
+    """Create the checkpoint from the newest anchor; ``False`` if stopped while waiting for one."""
+    from ..appliers.checkpoint import SINGLE_FILE, initialise_checkpoint
+
+    if not _wait_for_anchor(args, stop):
+        return False
+    info = initialise_checkpoint(directory, args.url, replica_id=replica, ack=not args.no_ack, on_update=_print_update)
+    print(f"initialised {directory / SINGLE_FILE} at v{info.version}", flush=True)
+    return True
