@@ -60,6 +60,22 @@ def best_timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, result
 
 
+def best_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Minimum wall time of each function and its last result, running them round-robin.
+
+    Times meant to be compared with each other (a baseline and the code under
+    test) are taken in turns, so a burst of load on a shared machine hits all of
+    them rather than skewing one ratio.
+    """
+    best = {name: float("inf") for name in fns}
+    results: dict[str, Any] = {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            elapsed, results[name] = timed(fn)
+            best[name] = min(best[name], elapsed)
+    return best, results
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

@@ -11,8 +11,8 @@ For every optimizer step it measures, on the same change set:
 - decode (+ validate) and in-place apply time per codec;
 - a bit-exact check of a replica that applied every delta.
 
-Every time is the best of ``REPEATS`` runs on the same inputs (the machine is
-shared and noisy). Writes ``benchmarks/results/payload.json`` and prints a
+Every time is the best of several runs on the same inputs (the machine is
+shared and noisy); the detection times and their baselines are taken in turns. Writes ``benchmarks/results/payload.json`` and prints a
 markdown table.
 
     python benchmarks/payload.py            # 8 steps at lr 3e-6
@@ -30,43 +30,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_of, best_timed, human_bytes, machine, median, table, timed, write_json  # noqa: E402
+from _common import best_interleaved, best_timed, human_bytes, machine, median, table, timed, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta  # noqa: E402
-from deltasync.models import load_smollm2  # noqa: E402
+from deltasync.models import chat_batches, load_smollm2, train_step  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
 
 CODECS = ["raw", "compact-abs", "compact"]
 DEFAULT_CODEC = "compact"
-REPEATS = 3  # runs per timing; the minimum is kept
-PROMPTS = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Name a prime number greater than ten.", "Eleven is a prime number greater than ten."),
-    ("What colour is the sky on a clear day?", "On a clear day the sky is blue."),
-    ("How many legs does a spider have?", "A spider has eight legs."),
-    ("Translate 'thank you' into French.", "'Thank you' in French is 'merci'."),
-    ("What is two plus three?", "Two plus three is five."),
-    ("Which planet is known as the red planet?", "Mars is known as the red planet."),
-    ("What do bees make?", "Bees make honey."),
-]
-
-
-def training_batches(tokenizer: Any, batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Chat-formatted prompt/answer pairs as causal-LM batches (padding masked out of the loss)."""
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
-        )
-        for q, a in PROMPTS
-    ]
-    batches = []
-    for i in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        batches.append({**enc, "labels": labels})
-    return batches
+REPEATS = 3  # runs per encode / decode timing; the minimum is kept
+DETECT_REPEATS = 5  # rounds of the detection timings (ne, cast + ne, diff fp32, diff bf16), taken in turns
 
 
 def bare_ne(current: dict[str, torch.Tensor], snapshot: Snapshot) -> None:
@@ -82,10 +57,17 @@ def cast_ne(model: torch.nn.Module, snapshot: Snapshot) -> None:
 def measure_step(model: torch.nn.Module, snapshot: Snapshot, applier: TorchModuleApplier, version: int) -> dict[str, Any]:
     """Everything measured for one published version."""
     current = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-    t_ne = best_of(lambda: bare_ne(current, snapshot), REPEATS)
-    t_cast_ne = best_of(lambda: cast_ne(model, snapshot), REPEATS)
-    t_diff, changes = best_timed(lambda: diff(snapshot, model), REPEATS)
-    t_diff_bf16, changes_bf16 = best_timed(lambda: diff(snapshot, current), REPEATS)
+    times, results = best_interleaved(
+        {
+            "t_ne": lambda: bare_ne(current, snapshot),
+            "t_cast_ne": lambda: cast_ne(model, snapshot),
+            "t_diff": lambda: diff(snapshot, model),
+            "t_diff_bf16": lambda: diff(snapshot, current),
+        },
+        DETECT_REPEATS,
+    )
+    t_ne, t_cast_ne, t_diff, t_diff_bf16 = (times[k] for k in ("t_ne", "t_cast_ne", "t_diff", "t_diff_bf16"))
+    changes, changes_bf16 = results["t_diff"], results["t_diff_bf16"]
     if [(c.spec.name, c.nnz) for c in changes_bf16.changes] != [(c.spec.name, c.nnz) for c in changes.changes]:
         raise AssertionError("diff over bf16 weights disagrees with diff over their fp32 masters")
     row: dict[str, Any] = {
@@ -200,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer = load_smollm2(dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    batches = training_batches(tokenizer, args.batch_size)
+    batches = chat_batches(tokenizer, args.batch_size)
     snapshot = Snapshot.capture(model)
     replica = {name: t.clone() for name, t in snapshot.items()}
     applier = TorchModuleApplier(replica)
@@ -228,14 +210,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     })
     print(f"wrote {path}")
     return summary
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss)
 
 
 if __name__ == "__main__":

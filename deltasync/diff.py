@@ -9,14 +9,21 @@ snapshot; :meth:`Snapshot.advance` does that once a version is committed, so the
 snapshot always equals the last version readers can see (invariant 2).
 
 Peak extra memory is one chunk (the cast of ``chunk`` elements plus a boolean
-mask) plus the changes found, never a second copy of a tensor. A tensor whose
-changes are too dense to be worth indexing is captured whole (``dense``), which
-also bounds the size of the index arrays.
+mask, both reused across chunks) plus the changes found, never a second copy of
+a tensor. A tensor whose changes are too dense to be worth indexing is captured
+whole (``dense``), which also bounds the size of the index arrays.
+
+Speed: the comparison reads both sides as int64 words (4 bf16 elements per
+compare), so the one full pass over the weights is about twice as fast as a
+bare ``torch.ne`` over elements; only the few words that differ are expanded
+to elements, with numpy on the CPU (cheaper per call than torch) and torch on
+other devices. What remains is bounded by memory: the fp32 -> bf16 cast of fp32
+masters and the gather of the changed words after the compare.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +48,10 @@ _TWO_LEVEL_MIN = 1 << 12
 # Integer dtypes of the bit patterns, by width in bytes.
 _NUMPY_BITS = {2: np.dtype(np.int16), 4: np.dtype(np.int32)}
 _TORCH_BITS = {2: torch.int16, 4: torch.int32}
+# (words_new, words_old, mask, elements per word, index offset) -> indices, new and old bits.
+_Expand = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +254,10 @@ def _diff_tensor(
     found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     limit = dense_fraction * spec.numel
     nnz = 0
+    whole = flat.numel() <= scratch.chunk  # the common case: skip slicing (~1 us per torch view)
     for start in range(0, flat.numel(), scratch.chunk):
-        new = _published_bits(flat[start : start + scratch.chunk], published, scratch)
-        old = old_bits[start : start + scratch.chunk]
+        new = _published_bits(flat if whole else flat[start : start + scratch.chunk], published, scratch)
+        old = old_bits if whole else old_bits[start : start + scratch.chunk]
         if nnz > limit:  # already dense: only count, keep nothing
             nnz += int(torch.count_nonzero(torch.ne(new, old)))
             continue
@@ -290,8 +302,13 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _word_aligned(tensor: torch.Tensor) -> bool:
-    """Whether a contiguous 1-D tensor's elements start on an int64 word boundary."""
-    return tensor.storage_offset() * tensor.element_size() % _WORD_BYTES == 0
+    """Whether a contiguous 1-D tensor can be read as int64 words.
+
+    ``view(torch.int64)`` needs the storage offset to be a whole number of
+    words, and the address must be word-aligned too (a storage can start
+    anywhere, e.g. ``torch.frombuffer``; misaligned loads fault on CUDA).
+    """
+    return tensor.storage_offset() * tensor.element_size() % _WORD_BYTES == 0 and tensor.data_ptr() % _WORD_BYTES == 0
 
 
 def _changed(
@@ -309,16 +326,22 @@ def _changed(
     per = _WORD_BYTES // new.element_size()
     head = size - size % per if _word_aligned(new) and _word_aligned(old) else 0
     expand = _expand_numpy if new.device.type == "cpu" else _expand_torch
-    parts = []
-    if head:
-        words_new, words_old = new[:head].view(torch.int64), old[:head].view(torch.int64)
-        mask = torch.ne(words_new, words_old, out=scratch.mask(head // per, new.device))
-        parts.append(expand(words_new, words_old, mask, per, offset))
-    if head < size:
-        tail_new, tail_old = new[head:], old[head:]
-        parts.append(expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
+    if head == size:  # the common case, without slicing (~1 us per torch view)
+        return _changed_words(new, old, scratch, expand, per, offset)
+    parts = [_changed_words(new[:head], old[:head], scratch, expand, per, offset)] if head else []
+    tail_new, tail_old = new[head:], old[head:]
+    parts.append(expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
     idx, new_values, old_values = (_concat(p) for p in zip(*parts))
     return idx, new_values, old_values
+
+
+def _changed_words(
+    new: torch.Tensor, old: torch.Tensor, scratch: _Scratch, expand: _Expand, per: int, offset: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_changed` over whole int64 words of ``per`` elements each."""
+    words_new, words_old = new.view(torch.int64), old.view(torch.int64)
+    mask = torch.ne(words_new, words_old, out=scratch.mask(words_new.numel(), new.device))
+    return expand(words_new, words_old, mask, per, offset)
 
 
 def _expand_numpy(

@@ -136,3 +136,136 @@ class TestRegistry:
     def test_plugin_registers_lazily(self) -> None:
         register_codec("raw-plugin", "tests.plugin_codec:PluginCodec")
         assert get_codec("raw-plugin").name == "raw-plugin"
+
+
+class TestFastPathsMatchReference:
+    """The optimised encoder pieces reproduce the straightforward formulas byte for byte."""
+
+    @staticmethod
+    def reference_indices(indices: np.ndarray, level: int) -> tuple[bytes, dict[str, int]]:
+        import zstandard
+
+        gaps = np.diff(indices, prepend=-1) - 1
+        costs = []
+        for width in (1, 2, 4):
+            big = int(np.count_nonzero(gaps >= (1 << (8 * width)) - 1))
+            costs.append((gaps.size * width + 8 * big, width, big))
+        _, width, n_big = min(costs)
+        escape = (1 << (8 * width)) - 1
+        is_big = gaps >= escape
+        main = np.where(is_big, escape, gaps).astype(f"<u{width}")
+        payload = main.view(np.uint8).reshape(-1, width).T.tobytes() + gaps[is_big].astype("<u8").tobytes()
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+        return frame, {"iw": width, "big": n_big}
+
+    @settings(max_examples=80, deadline=None)
+    @given(
+        numel=st.sampled_from([1, 300, 70_000, 1 << 20, 10**10]),
+        count=st.integers(1, 3000),
+        clustered=st.booleans(),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def test_encode_indices(self, numel: int, count: int, clustered: bool, seed: int) -> None:
+        from deltasync.codec.compact import encode_indices
+
+        rng = np.random.default_rng(seed)
+        if clustered:  # runs of neighbours, the shape of real deltas (gaps of 0 and a few long jumps)
+            starts = rng.integers(0, numel, max(1, count // 20))
+            picked = (starts[:, None] + np.arange(20)).reshape(-1)
+        else:
+            picked = rng.integers(0, numel, count)
+        indices = np.unique(np.clip(picked, 0, numel - 1)).astype(np.int64)
+        blob, params = encode_indices(indices, 1)
+        frame, expected = self.reference_indices(indices, 1)
+        assert params == expected and blob.tobytes() == frame
+
+    @pytest.mark.parametrize("width", [1, 2, 4, 8])
+    def test_planes_roundtrip(self, width: int) -> None:
+        from deltasync.codec.compact import _UNSIGNED, _planes, _unplanes
+
+        words = np.random.default_rng(width).integers(0, 255, 1001 * width, dtype=np.uint8).view(_UNSIGNED[width])
+        planes = _planes(words)
+        assert planes.tobytes() == words.view(np.uint8).reshape(-1, width).T.tobytes()
+        np.testing.assert_array_equal(_unplanes(planes.tobytes(), words.size, _UNSIGNED[width]), words)
+        assert _planes(words[:0]).size == 0
+
+    @pytest.mark.parametrize("bits", [np.int16, np.int32])
+    def test_exponent_order_is_the_stable_order_of_the_exponent(self, bits: type) -> None:
+        from deltasync.codec.compact import _exponent_order
+
+        base = np.random.default_rng(0).integers(np.iinfo(bits).min, np.iinfo(bits).max, 50_000, dtype=bits)
+        unsigned = base.view(f"<u{base.itemsize}")
+        exponent = (unsigned >> (7 if base.itemsize == 2 else 23)).astype(np.uint16) & 0xFF
+        np.testing.assert_array_equal(_exponent_order(base), np.argsort(exponent, kind="stable"))
+
+    def test_reused_zstd_contexts_match_fresh_ones_across_threads(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import zstandard
+
+        from deltasync.codec._zstd import compress, decompress
+
+        rng = np.random.default_rng(0)
+        payloads = [rng.integers(0, n % 50 + 2, n, dtype=np.uint8) for n in (10, 5000, 70_000, 300, 70_000)]
+        fresh = [zstandard.ZstdCompressor(level=1, write_content_size=True).compress(p.tobytes()) for p in payloads]
+        with ThreadPoolExecutor(3) as pool:
+            reused = list(pool.map(lambda p: compress(p, 1), payloads * 3))
+        assert [r.tobytes() for r in reused] == fresh * 3
+        assert [decompress(r, p.size, "x") for r, p in zip(reused, payloads)] == [p.tobytes() for p in payloads]
+
+
+class TestContainer:
+    """The delta writer: same bytes as safetensors, whatever the thread count."""
+
+    def test_serialize_matches_safetensors(self) -> None:
+        import safetensors.torch
+
+        from deltasync.format import _serialize
+
+        tensors = {
+            "b::val": torch.arange(5, dtype=torch.int16).view(torch.bfloat16),
+            "a::idx": torch.arange(3, dtype=torch.int32),
+            "c::x": torch.arange(7, dtype=torch.uint8),
+            "z::w": torch.arange(6, dtype=torch.float32).view(2, 3),
+            "e::v": torch.zeros(0, dtype=torch.int64),
+            "d::s": torch.tensor(1.5, dtype=torch.float16),
+            "f::m": torch.tensor([True, False]),
+            "g::q": torch.arange(2, dtype=torch.int8),
+            "h::r": torch.arange(2, dtype=torch.float64),
+        }
+        meta = {"format": "deltasync", "k": "v"}
+        ours, theirs = _serialize(tensors, meta), safetensors.torch.save(tensors, metadata=meta)
+        assert raw_header(ours) == raw_header(theirs) and body(ours) == body(theirs)
+        loaded = safetensors.torch.load(ours)
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+    def test_serialize_defers_other_dtypes_to_safetensors(self) -> None:
+        import safetensors.torch
+
+        from deltasync.format import _serialize
+
+        tensors = {"w::c": torch.zeros(3, dtype=torch.complex64), "w::i": torch.arange(3, dtype=torch.int32)}
+        assert _serialize(tensors, {"a": "b"}) == safetensors.torch.save(tensors, metadata={"a": "b"})
+
+    @pytest.mark.parametrize("codec", SPARSE_CODECS)
+    def test_bytes_do_not_depend_on_workers(self, codec: str) -> None:
+        gen = torch.Generator().manual_seed(0)
+        weights = {f"t{i}": torch.randn(int(n), generator=gen) for i, n in enumerate([5000, 3, 70_000, 800, 1, 40_000])}
+        snap = Snapshot.capture(weights)
+        for t in weights.values():
+            t.add_(torch.randn(t.shape, generator=gen) * 0.01 * (torch.rand(t.shape, generator=gen) < 0.05))
+        changes = diff(snap, weights)
+        files = {w: encode_delta(changes, version=1, base_version=0, codec=codec, workers=w) for w in (1, 2, 3, 8)}
+        assert len(set(files.values())) == 1
+
+
+def raw_header(data: bytes) -> dict:
+    from deltasync.format import raw_header as parse
+
+    return parse(data)
+
+
+def body(data: bytes) -> bytes:
+    import struct
+
+    return data[8 + struct.unpack("<Q", data[:8])[0] :]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
-
-from unittest import mock
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -135,6 +134,16 @@ class TestWordCompare:
         np.testing.assert_array_equal(change.indices.numpy(), expected)
         np.testing.assert_array_equal(change.values.numpy(), new.numpy()[expected])
         np.testing.assert_array_equal(change.base.numpy(), old.numpy()[expected])
+
+    def test_misaligned_storage_compared_element_by_element(self) -> None:
+        raw = bytearray(2 + 2 * 4099)
+        snapshot_bits = torch.frombuffer(raw, dtype=torch.int16, offset=2)  # address 2 mod 8
+        assert snapshot_bits.data_ptr() % 8 and not diff_module._word_aligned(snapshot_bits)
+        snap = Snapshot({"w": snapshot_bits.view(BF16)})
+        live = torch.zeros(4099, dtype=BF16)
+        live[[0, 5, 4098]] = 1.0
+        change = diff(snap, {"w": live}).changes[0]
+        assert change.indices.tolist() == [0, 5, 4098] and change.base.tolist() == [0, 0, 0]
 
     def test_change_only_past_the_last_word(self) -> None:
         weights = {"w": torch.zeros(7, dtype=BF16)}

@@ -13,8 +13,9 @@ from .torch import TorchModuleApplier
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointDirApplier
+    from .vllm_follower import VLLMFollower
 
-__all__ = ["TorchModuleApplier", "CheckpointDirApplier"]
+__all__ = ["TorchModuleApplier", "CheckpointDirApplier", "VLLMFollower"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from .checkpoint import CheckpointDirApplier
 
         return CheckpointDirApplier
+    if name == "VLLMFollower":  # vLLM replicas (worker extension: deltasync.appliers.vllm)
+        from .vllm_follower import VLLMFollower
+
+        return VLLMFollower
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -137,7 +137,7 @@ def _exponent_order(base: np.ndarray) -> np.ndarray:
     # byte is a single radix pass (the order is unique, so identical to a
     # stable sort on the same values held wider).
     exponent = (base.view(_UNSIGNED[base.dtype.itemsize]) >> mantissa_bits).astype(np.uint8)
-    return np.argsort(exponent, kind="stable")
+    return exponent.argsort(kind="stable")
 
 
 def _zigzag(delta: np.ndarray) -> np.ndarray:
@@ -193,7 +193,7 @@ class CompactCodec(Codec):
         if base is None:
             raise ValueError("the compact codec needs the base values of the change")
         unsigned = _UNSIGNED[new.dtype.itemsize]
-        delta = np.subtract(new.view(unsigned), base.view(unsigned)).view(new.dtype)
+        delta = (new.view(unsigned) - base.view(unsigned)).view(new.dtype)
         return _zigzag(delta)[_exponent_order(base)]
 
     def _words_to_values(

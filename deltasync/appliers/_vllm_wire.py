@@ -1,0 +1,57 @@
+"""What the vLLM follower and the worker extension send each other (no vllm import).
+
+Every RPC argument and result is a string or a JSON-able dict, so the same
+methods answer an in-process ``LLM.collective_rpc`` and a server's dev-mode
+``POST /collective_rpc`` (which only passes strings through). Arrays travel as
+one safetensors blob (never pickle): raw ``bytes`` in process, base64 text over
+HTTP. Entry ``"{tensor}::{part}"`` holds part ``part`` of tensor ``tensor``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import safetensors.numpy
+import safetensors.torch
+
+from ..errors import DeltaFormatError
+from ..tensors import TensorSpec
+
+__all__ = ["pack", "unpack", "specs_to_json", "specs_from_json"]
+
+
+def pack(arrays: Mapping[str, Mapping[str, np.ndarray]], *, text: bool) -> bytes | str:
+    """``{tensor: {part: array}}`` as one safetensors blob (base64 text when ``text``)."""
+    flat = {f"{name}::{part}": np.ascontiguousarray(a) for name, parts in arrays.items() for part, a in parts.items()}
+    blob = safetensors.numpy.save(flat) if flat else b""
+    return base64.b64encode(blob).decode("ascii") if text else blob
+
+
+def unpack(blob: bytes | str) -> dict[str, dict[str, np.ndarray]]:
+    """Inverse of :func:`pack` (accepts either form)."""
+    raw = base64.b64decode(blob) if isinstance(blob, str) else bytes(blob)
+    if not raw:
+        return {}
+    try:
+        # safetensors.torch copies into fresh, writable storage: the receiver wraps it without another copy.
+        flat = {k: v.numpy() for k, v in safetensors.torch.load(raw).items()}
+    except Exception as exc:  # safetensors raises its own error type
+        raise DeltaFormatError(f"malformed RPC payload: {exc}") from None
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key, array in flat.items():
+        name, sep, part = key.rpartition("::")
+        if not sep:
+            raise DeltaFormatError(f"malformed RPC payload entry {key!r}")
+        out.setdefault(name, {})[part] = array
+    return out
+
+
+def specs_to_json(specs: Iterable[TensorSpec]) -> str:
+    return json.dumps([[s.name, list(s.shape), s.dtype] for s in specs], separators=(",", ":"))
+
+
+def specs_from_json(text: str) -> list[TensorSpec]:
+    return [TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(text)]

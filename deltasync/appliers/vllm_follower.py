@@ -1,0 +1,516 @@
+"""The node-side half of vLLM sync: an applier the :class:`~deltasync.Subscriber` drives.
+
+:class:`VLLMFollower` lives next to the engine: in the process that owns an
+``LLM``, or beside a ``vllm serve`` server started with the worker extension
+and ``VLLM_SERVER_DEV_MODE=1`` (it then talks to ``/collective_rpc``,
+``/pause``, ``/resume`` and ``/update_weight_version``). Deltas are downloaded
+and decoded once per node, here; the workers only read and write the changed
+elements (:mod:`deltasync.appliers.vllm`).
+
+Per version, two ``collective_rpc`` round trips carry O(changed elements):
+
+1. ``deltasync_lookup``: every rank returns the current bits of the changed
+   elements it holds; the follower merges them (every element must be held by
+   some rank) into the base values the ``compact`` codec decodes against.
+   Subscribers built by :meth:`VLLMFollower.subscriber` see each delta's bytes
+   as they are downloaded, so all of a version's lookups go in one call;
+   otherwise each tensor costs one call.
+2. ``deltasync_apply``: after decode and validation, each rank writes what it holds.
+
+Modes (how generation meets an update):
+
+- ``"inflight"`` (default): requests keep running; against a server, the
+  scheduler is frozen (``/pause?mode=keep``) only while the apply runs, so no
+  engine step mixes versions and vLLM's per-request weight-version spans are
+  exact.
+- ``"pause"``: against a server, ``/pause?mode=wait`` (or ``abort``) first, so
+  no request spans two versions, then apply and ``/resume``.
+
+In process, ``collective_rpc`` already runs between engine steps; call
+``subscriber.poll()`` from the thread that owns the ``LLM`` (vLLM's sync client
+is not thread-safe), e.g. between ``generate`` calls of an RL loop.
+
+Versions: after each apply the engine's weight-version label is set to
+``str(version)`` (vLLM reports, per finished request, which output tokens each
+label produced: ``CompletionOutput.weight_versions``); ranks answer
+``deltasync_version``; and :attr:`VLLMFollower.history` records ``(version,
+wall time applied)`` so a request's start/end time maps to versions
+(:meth:`VLLMFollower.version_at`).
+
+Command line (a server replica)::
+
+    python -m deltasync.appliers.vllm_follower --store s3://bucket/run1 \\
+        --server http://127.0.0.1:8000 --model /models/policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import safetensors
+import torch
+
+from ..codec import Decoded, get_codec
+from ..codec.compact import CompactCodec, decode_indices
+from ..errors import DeltaSyncError, TensorMismatch
+from ..format import Header, read_header
+from ..stores import ObjectInfo, Store, open_store
+from ..stores.base import PutMode
+from ..tensors import TensorSpec, dtype_name, fingerprint
+from ._vllm_wire import pack, specs_to_json, unpack
+from .base import check_header
+
+__all__ = ["VLLMFollower", "EXTENSION", "checkpoint_specs", "main"]
+
+logger = logging.getLogger("deltasync.vllm")
+
+EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
+RPC_BATCH_BYTES = 64 << 20  # split anchors into RPCs of about this size (JSON bodies over HTTP stay sane)
+HTTP_TIMEOUT_S = 600.0
+TAP_KEEP = 8  # downloaded deltas kept for index prefetch until their version is decoded
+
+Mode = Literal["inflight", "pause"]
+
+
+def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
+    """Names and shapes of a safetensors checkpoint directory, as published in ``dtype``.
+
+    Tied duplicates are absent from checkpoints written by ``save_pretrained``,
+    as from a trainer's ``named_parameters()``, so the fingerprints agree.
+    """
+    path = Path(directory)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {path}")
+    specs = []
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
+    return specs
+
+
+# ---------------------------------------------------------------------- transports
+
+
+class _InProcess:
+    """An ``LLM`` in this process."""
+
+    text = False
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        return list(self.llm.collective_rpc(method, args=args))
+
+    def pause(self, mode: str) -> None:  # collective_rpc already runs between engine steps
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def label(self, version: str) -> None:
+        self.llm.llm_engine.set_weight_version(version)
+
+
+class _Server:
+    """A ``vllm serve`` server in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
+
+    text = True
+
+    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _post(self, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(
+            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise DeltaSyncError(f"{self.url}{path} answered {exc.code}: {detail}", url=self.url) from None
+        except urllib.error.URLError as exc:
+            raise DeltaSyncError(
+                f"cannot reach {self.url}{path} ({exc.reason}); is the server up with VLLM_SERVER_DEV_MODE=1?",
+                url=self.url,
+            ) from None
+        return json.loads(raw) if raw else None
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        answer = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        return list(answer["results"])
+
+    def pause(self, mode: str) -> None:
+        self._post(f"/pause?mode={mode}")
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def label(self, version: str) -> None:
+        self._post("/update_weight_version", {"new_version": version})
+
+
+# ---------------------------------------------------------------------- the applier
+
+
+class VLLMFollower:
+    """Applies deltas to a vLLM engine in place through its worker extension.
+
+    Args:
+        engine (`LLM` or `str`): an in-process ``vllm.LLM`` started with
+            ``worker_extension_cls=deltasync.appliers.vllm.DeltaSyncWorkerExtension``, or the
+            base URL of such a server (``"http://127.0.0.1:8000"``).
+        model (`str` or `Path`): the checkpoint directory the engine loaded; names and
+            shapes come from its safetensors headers.
+        mode (`str`, *optional*, defaults to ``"inflight"``): ``"inflight"`` or ``"pause"``.
+        pause_mode (`str`, *optional*, defaults to ``"wait"``): ``/pause`` mode in ``"pause"``
+            mode (``"wait"`` or ``"abort"``).
+        dtype (`torch.dtype`, *optional*, defaults to bf16): the published dtype.
+
+    Raises:
+        `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
+            them, or transform them), so the engine could not follow every delta exactly.
+
+    Example:
+        ```python
+        >>> llm = LLM(model_dir, worker_extension_cls=EXTENSION, dtype="bfloat16")
+        >>> follower = VLLMFollower(llm, model=model_dir)
+        >>> sub = follower.subscriber("s3://bucket/run1")
+        >>> for batch in prompts:
+        ...     sub.poll()                       # apply whatever was published, between steps
+        ...     outputs = llm.generate(batch, params)
+        ```
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model: str | Path,
+        mode: Mode = "inflight",
+        pause_mode: str = "wait",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if mode not in ("inflight", "pause"):
+            raise ValueError(f"mode must be 'inflight' or 'pause', not {mode!r}")
+        if pause_mode not in ("wait", "abort"):
+            raise ValueError(f"pause_mode must be 'wait' or 'abort', not {pause_mode!r}")
+        self._engine = _Server(engine) if isinstance(engine, str) else _InProcess(engine)
+        self.mode, self.pause_mode = mode, pause_mode
+        self.specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
+        self.fingerprint = fingerprint(self.specs.values())
+        self.history: list[tuple[int, float]] = []
+        """``(version, wall-clock time its apply finished)``, oldest first."""
+        self.rpc_calls = 0
+        self._pending: int | None = None
+        self._step: list[Header] = []
+        self._bases: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._prefetched = False
+        self._tapped: OrderedDict[str, bytes] = OrderedDict()
+        self._tap_lock = threading.Lock()
+        self.ranks = self._init_workers()
+
+    # ------------------------------------------------------------------ setup
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        self.rpc_calls += 1
+        return self._engine.rpc(method, *args)
+
+    def _init_workers(self) -> list[dict[str, Any]]:
+        answers = self._rpc("deltasync_init", specs_to_json(self.specs.values()))
+        missing = []
+        for name, spec in self.specs.items():
+            covered = np.zeros(spec.shape or (1,), dtype=bool)
+            tables = 0
+            for answer in answers:
+                for kind, *rest in answer["owned"].get(name, []):
+                    if kind == "box":
+                        covered[tuple(slice(lo, hi) for lo, hi in zip(*rest))] = True
+                    else:
+                        tables += int(rest[0])
+            if int(covered.sum()) + tables < spec.numel:
+                missing.append(f"{name} ({spec.numel - int(covered.sum()) - tables} elements)")
+        if missing:
+            raise TensorMismatch(
+                f"no rank of the engine holds these checkpoint elements, so deltas to them could not be "
+                f"applied: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
+                name=missing[0].split(" ")[0],
+            )
+        repacked = sorted({layer for a in answers for layer in a.get("repacked_layers", [])})
+        if repacked:
+            logger.warning(
+                "deltasync: %d CPU-packed layers are re-packed after each apply (O(layer), not O(changes)); "
+                "start the engine with DELTASYNC_VLLM_PLAIN_WEIGHTS=1 to patch them in place",
+                len(repacked),
+            )
+        logger.info(
+            "deltasync: vLLM engine mapped (%d ranks, %d tensors) in %.0f ms",
+            len(answers), len(self.specs), max(a["ms"] for a in answers),
+        )
+        return answers
+
+    # ------------------------------------------------------------------ applier protocol
+
+    def validate(self, header: Header) -> None:
+        """Refuse a file that does not fit the engine's checkpoint, before anything is decoded."""
+        check_header(header, self.specs, self.fingerprint, holder="vLLM engine")
+        if self._prefetched:  # a new step begins
+            self._step, self._bases, self._prefetched = [], {}, False
+        self._step.append(header)
+        self._pending = header.version
+
+    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
+        """Current bits at ``indices`` of checkpoint tensor ``name``, merged across ranks."""
+        if not self._prefetched:
+            self._prefetched = True
+            self._bases = self._prefetch()
+        cached = self._bases.pop(name, None)
+        if cached is not None and np.array_equal(cached[0], indices):
+            return cached[1]
+        return self._lookup_many({name: indices})[name]
+
+    def apply(self, decoded: Mapping[str, Decoded]) -> None:
+        """Write validated patches on every rank; then label the engine with the new version."""
+        version = self._pending
+        self._step, self._bases, self._prefetched = [], {}, False
+        batches = list(self._batches(decoded))
+        paused = False
+        try:
+            if self.mode == "pause" or isinstance(self._engine, _Server):
+                self._engine.pause(self.pause_mode if self.mode == "pause" else "keep")
+                paused = True
+            for i, batch in enumerate(batches):
+                last = i == len(batches) - 1
+                self._rpc("deltasync_apply", pack(batch, text=self._engine.text), version if last else None)
+            if version is not None:
+                self._engine.label(str(version))
+        finally:
+            if paused:
+                self._engine.resume()
+        if version is not None:
+            self.history.append((version, time.time()))
+
+    # ------------------------------------------------------------------ versions
+
+    def engine_version(self) -> int | None:
+        """The version every rank reports; raises if ranks disagree."""
+        versions = {a["version"] for a in self._rpc("deltasync_version")}
+        if len(versions) != 1:
+            raise DeltaSyncError(f"ranks disagree on the version they hold: {sorted(map(str, versions))}")
+        return versions.pop()
+
+    def version_at(self, when: float) -> int | None:
+        """The version in force at wall-clock time ``when`` (``None`` before the first apply here)."""
+        at = bisect.bisect_right([t for _, t in self.history], when)
+        return self.history[at - 1][0] if at else None
+
+    # ------------------------------------------------------------------ subscriber wiring
+
+    def subscriber(self, store: str | Store, **options: Any) -> Any:
+        """A :class:`~deltasync.Subscriber` for this engine whose downloads feed one-call lookups."""
+        from ..subscriber import Subscriber
+
+        store_options = {k: options.pop(k) for k in list(options) if k not in _SUBSCRIBER_ARGS}
+        return Subscriber(self.tap(open_store(store, **store_options)), self, **options)
+
+    def tap(self, store: Store) -> Store:
+        """Wrap ``store`` so the deltas a subscriber downloads are seen here (for batched lookups)."""
+        return _TapStore(store, self._remember)
+
+    def _remember(self, key: str, data: bytes) -> None:
+        with self._tap_lock:
+            self._tapped[key] = data
+            while len(self._tapped) > TAP_KEEP:
+                self._tapped.popitem(last=False)
+
+    # ------------------------------------------------------------------ internals
+
+    def _prefetch(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Decode this step's changed indices from the tapped bytes; fetch every base in one call."""
+        wanted: dict[str, np.ndarray] = {}
+        for header in self._step:
+            blob = self._find_blob(header)
+            if blob is None:
+                continue
+            entries: dict[str, Any] | None = None
+            for name, entry in header.tensors.items():
+                if not isinstance(get_codec(entry.codec), CompactCodec) or not get_codec(entry.codec).needs_base:
+                    continue
+                if entries is None:
+                    entries = _load_entries(blob) or {}
+                part = entries.get(f"{name}::idx")
+                if part is None:
+                    continue
+                try:
+                    wanted[name] = decode_indices(part, entry.params, entry.spec, entry.nnz)
+                except DeltaSyncError:
+                    continue  # the real decode reports it
+        if not wanted:
+            return {}
+        bases = self._lookup_many(wanted)
+        return {name: (wanted[name], bases[name]) for name in wanted}
+
+    def _find_blob(self, header: Header) -> bytes | None:
+        with self._tap_lock:
+            items = list(self._tapped.items())
+        for key, blob in items:
+            try:
+                if read_header(blob) == header:
+                    with self._tap_lock:
+                        self._tapped.pop(key, None)
+                    return blob
+            except DeltaSyncError:
+                continue
+        return None
+
+    def _lookup_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        payload = pack({n: {"idx": np.asarray(i, dtype=np.int64)} for n, i in wanted.items()}, text=self._engine.text)
+        answers = [unpack(a["data"]) for a in self._rpc("deltasync_lookup", payload)]
+        out = {}
+        for name, indices in wanted.items():
+            spec = self.specs[name]
+            bits = np.zeros(len(indices), dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
+            covered = np.zeros(len(indices), dtype=bool)
+            for answer in answers:
+                got = answer.get(name)
+                if got is None or not got["pos"].size:
+                    continue
+                bits[got["pos"]] = got["bits"]
+                covered[got["pos"]] = True
+            if not covered.all():
+                raise TensorMismatch(
+                    f"{name}: {int((~covered).sum())} changed elements are held by no rank of the engine",
+                    name=name,
+                )
+            out[name] = bits
+        return out
+
+    def _batches(self, decoded: Mapping[str, Decoded]) -> Iterator[dict[str, dict[str, np.ndarray]]]:
+        batch: dict[str, dict[str, np.ndarray]] = {}
+        size = 0
+        for name, patch in decoded.items():
+            parts = {"val": np.ascontiguousarray(patch.values)}
+            if patch.indices is not None:
+                parts["idx"] = np.ascontiguousarray(patch.indices, dtype=np.int64)
+            nbytes = sum(a.nbytes for a in parts.values())
+            if batch and size + nbytes > RPC_BATCH_BYTES:
+                yield batch
+                batch, size = {}, 0
+            batch[name], size = parts, size + nbytes
+        yield batch
+
+    def gather(self, name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""
+        spec = self.specs[name]
+        bits = np.zeros(spec.numel, dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
+        covered = np.zeros(spec.numel, dtype=bool)
+        for answer in self._rpc("deltasync_gather", name, self._engine.text):
+            got = unpack(answer["data"])[name]
+            bits[got["pos"]] = got["bits"]
+            covered[got["pos"]] = True
+        if not covered.all():
+            raise TensorMismatch(f"{name}: {int((~covered).sum())} elements held by no rank", name=name)
+        return torch.from_numpy(bits).view(spec.torch_dtype).view(spec.shape)
+
+
+_SUBSCRIBER_ARGS = {
+    "replica_id", "ack", "poll_interval", "max_poll_interval", "fetch_workers", "on_update", "start_version", "run_id",
+}
+
+
+def _load_entries(blob: bytes) -> dict[str, np.ndarray] | None:
+    """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it)."""
+    try:
+        import safetensors.torch
+
+        return {k: v.numpy() for k, v in safetensors.torch.load(blob).items() if v.dtype == torch.uint8}
+    except Exception:
+        return None
+
+
+class _TapStore(Store):
+    """Delegates to ``inner``; hands every downloaded delta to ``seen`` (read only)."""
+
+    def __init__(self, inner: Store, seen: Any) -> None:
+        super().__init__(inner.url)
+        self.inner, self._seen = inner, seen
+        self.conditional_writes = inner.conditional_writes  # type: ignore[misc]
+
+    def get(self, key: str) -> bytes:
+        data = self.inner.get(key)
+        if not key.endswith(".json"):
+            self._seen(key, data)
+        return data
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
+        return self.inner.put(key, data, mode=mode, if_match=if_match)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(key, start, end)
+
+    def head(self, key: str) -> ObjectInfo:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
+        return self.inner.get_if_changed(key, etag)
+
+    def change_feed(self) -> Any:
+        return self.inner.change_feed()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m deltasync.appliers.vllm_follower``: keep a vLLM server at the latest version."""
+    parser = argparse.ArgumentParser(prog="python -m deltasync.appliers.vllm_follower", description=main.__doc__)
+    parser.add_argument("--store", required=True, help="run prefix the trainer publishes to (path, s3://, hf://)")
+    parser.add_argument("--server", required=True, help="vLLM server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="checkpoint directory the server loaded")
+    parser.add_argument("--mode", choices=["inflight", "pause"], default="inflight")
+    parser.add_argument("--pause-mode", choices=["wait", "abort"], default="wait")
+    parser.add_argument("--replica-id", default=None)
+    parser.add_argument("--poll-interval", type=float, default=1.0)
+    parser.add_argument("--once", action="store_true", help="apply the latest version and exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    follower = VLLMFollower(args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode)
+    sub = follower.subscriber(args.store, replica_id=args.replica_id, poll_interval=args.poll_interval)
+    with sub:
+        if args.once:
+            sub.update()
+        else:
+            try:
+                sub.run()
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""Shared pieces of the vLLM tests and benchmark: engines, a tiny Qwen3, a trainer.
+
+vLLM starts its engine with spawn; nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.stores import open_store
+
+EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "One, two, three,"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all afternoon.",
+    "In 1969, astronauts first walked on the Moon, watched by millions of people on television.",
+    "Python is a programming language that lets you work quickly and integrate systems effectively.",
+    "Photosynthesis converts light energy into chemical energy that fuels the plant's activities.",
+]
+ENGINE_ARGS: dict[str, Any] = dict(
+    dtype="bfloat16", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True, seed=0
+)
+
+
+@contextlib.contextmanager
+def engine(
+    model: str | Path, *, tp: int = 1, plain: bool = True, extension: bool | str = True
+) -> Iterator[Any]:
+    """An in-process vLLM ``LLM`` (plain CPU weights unless ``plain=False``), shut down on exit."""
+    from vllm import LLM
+
+    env = {"DELTASYNC_VLLM_PLAIN_WEIGHTS": "1" if plain else "0"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned engine processes inherit the environment at start
+    try:
+        llm = LLM(
+            model=str(model),
+            tensor_parallel_size=tp,
+            **({"worker_extension_cls": extension if isinstance(extension, str) else EXTENSION} if extension else {}),
+            **ENGINE_ARGS,
+        )
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def greedy(llm: Any, prompts: list[str] = PROMPTS, tokens: int = 8, logprobs: int | None = None) -> list[Any]:
+    """Greedy token ids per prompt (with the sampled logprobs when ``logprobs`` is set)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=logprobs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if logprobs is None:
+        return [list(o.outputs[0].token_ids) for o in outs]
+    return [
+        (list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        for o in outs
+    ]
+
+
+def hf_greedy(model: torch.nn.Module, tokenizer: Any, prompts: list[str] = PROMPTS, tokens: int = 8) -> list[list[int]]:
+    """Greedy continuations from a transformers model, one prompt at a time (no padding)."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+class Trainer:
+    """An fp32 transformers model trained with AdamW on a few sentences (real, non-trivial deltas)."""
+
+    def __init__(self, model_dir: str | Path, *, lr: float = 1e-5, seed: int = 0) -> None:
+        import transformers
+
+        torch.manual_seed(seed)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.batch = self.tokenizer(TEXTS, return_tensors="pt", padding=True)
+
+    def step(self) -> float:
+        self.model.train()
+        out = self.model(**self.batch, labels=self.batch.input_ids.masked_fill(self.batch.attention_mask == 0, -100))
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return float(out.loss)
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        """The published weights: every parameter cast to bf16 (tied ones once)."""
+        return {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+
+    def bf16_model(self) -> torch.nn.Module:
+        """A bf16 copy of the model (for reference generations)."""
+        import copy
+
+        return copy.deepcopy(self.model).to(torch.bfloat16).eval()
+
+
+def latest(store_url: str) -> tuple[str, int]:
+    """``(run_id, latest version)`` of a store."""
+    manifest = Manifest.from_bytes(open_store(store_url).get(MANIFEST_KEY))
+    assert manifest.latest is not None
+    return manifest.run_id, manifest.latest
+
+
+def tiny_qwen3(target: Path, tokenizer_dir: Path) -> Path:
+    """A random 2-layer Qwen3 (hidden 128, 4 heads, 2 KV heads, head_dim 32) saved as bf16 safetensors."""
+    import transformers
+
+    if (target / ".complete").exists():
+        return target
+    torch.manual_seed(0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    (target / ".complete").touch()
+    return target
+
+
+def save_checkpoint(weights: dict[str, torch.Tensor], source_dir: Path, target: Path) -> Path:
+    """A copy of ``source_dir`` (config, tokenizer) with ``weights`` as its safetensors file."""
+    import safetensors.torch
+
+    shutil.copytree(source_dir, target, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    safetensors.torch.save_file({n: t.contiguous() for n, t in weights.items()}, str(target / "model.safetensors"),
+                                metadata={"format": "pt"})
+    return target
+
+
+def assert_engine_exact(follower: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Every rank's elements of every checkpoint tensor equal ``weights`` bit for bit, and every element is held."""
+    from deltasync.appliers._vllm_wire import unpack
+
+    for name, expected in weights.items():
+        want = expected.reshape(-1).view(torch.int16).numpy()
+        covered = np.zeros(want.size, dtype=bool)
+        for answer in follower._rpc("deltasync_gather", name, follower._engine.text):
+            got = unpack(answer["data"])[name]
+            mismatch = np.flatnonzero(got["bits"] != want[got["pos"]])
+            assert mismatch.size == 0, f"rank {answer['rank']}: {name} differs at {mismatch.size} elements"
+            covered[got["pos"]] = True
+        assert covered.all(), f"{name}: {int((~covered).sum())} elements held by no rank"
+
+
+class BenchExtension:
+    """Worker-side timings for ``benchmarks/vllm_apply.py``: vLLM's own update paths, in the same worker.
+
+    Mixed in after :class:`~deltasync.appliers.vllm.DeltaSyncWorkerExtension` (see :data:`BENCH_EXTENSION`).
+    """
+
+    def bench_load_full(self, checkpoint: str, repeats: int) -> list[float]:
+        """``model.load_weights`` with every full tensor already in memory; ms per repeat."""
+        import time
+
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(str(Path(checkpoint) / "model.safetensors"))
+        model = self.get_model()  # type: ignore[attr-defined]
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.load_weights(iter(tensors.items()))
+            out.append(1e3 * (time.perf_counter() - start))
+        return out
+
+    def bench_checkpoint_patches(self, payload: bytes, repeats: int) -> list[float]:
+        """vLLM's ``load_checkpoint_weight_patches`` with the same sparse patch; ms per repeat."""
+        import time
+
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        from deltasync.appliers._vllm_wire import unpack
+
+        index = self._deltasync_index  # type: ignore[attr-defined]
+        patches = [
+            CheckpointWeightPatch(
+                name,
+                index.specs[name].shape,
+                torch.bfloat16,
+                torch.from_numpy(parts["val"]).view(torch.bfloat16),
+                torch.from_numpy(parts["idx"]),
+            )
+            for name, parts in unpack(payload).items()
+        ]
+        model = self.get_model()  # type: ignore[attr-defined]
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            load_checkpoint_weight_patches(model, patches)
+            out.append(1e3 * (time.perf_counter() - start))
+        return out
+
+
+def _bench_extension() -> type:
+    from deltasync.appliers.vllm import DeltaSyncWorkerExtension
+
+    return type("DeltaSyncBenchExtension", (DeltaSyncWorkerExtension, BenchExtension), {})
+
+
+def __getattr__(name: str) -> Any:
+    # Resolved by qualified name inside vLLM workers; built lazily so importing this module needs no vllm.
+    if name == "DeltaSyncBenchExtension":
+        return _bench_extension()
+    raise AttributeError(name)
+
+
+BENCH_EXTENSION = "tests.vllm_helpers.DeltaSyncBenchExtension"
