@@ -19,8 +19,8 @@ import json
 import os
 import struct
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 

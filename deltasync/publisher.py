@@ -40,7 +40,13 @@ import torch
 
 from .codec import DEFAULT_CODEC
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
-from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed
+from .errors import (
+    ConflictError,
+    DeltaSyncError,
+    FingerprintMismatch,
+    ObjectNotFound,
+    PreconditionFailed,
+)
 from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
 from .manifest import (
     MANIFEST_KEY,

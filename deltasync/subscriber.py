@@ -39,7 +39,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from .codec import Decoded
-from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, ObjectNotFound, VersionError
+from .errors import (
+    DeltaFormatError,
+    DeltaSyncError,
+    IntegrityError,
+    ObjectNotFound,
+    VersionError,
+)
 from .format import Header, decode, read_header
 from .manifest import MANIFEST_KEY, Manifest, ObjectRef, Plan, Step, plan_route
 from .stores import Store, open_store

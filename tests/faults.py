@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 from deltasync.errors import StoreError
 from deltasync.stores import ObjectInfo, Store
 from deltasync.stores.base import PutMode
+from deltasync.stores.wrap import DelegatingStore
 
 
-class FaultyStore(Store):
+class FaultyStore(DelegatingStore):
     """Delegates to ``inner``; fails or blocks operations on request.
 
     ``fail_puts[prefix] = n`` fails the next ``n`` puts of keys with that prefix;
     ``gate`` (an Event), when set to a cleared Event, blocks puts until it is set;
-    ``corrupt[key] = fn`` rewrites bytes returned by ``get``.
+    ``corrupt[prefix] = fn`` rewrites bytes returned by ``get``.
     """
 
     def __init__(self, inner: Store) -> None:
-        super().__init__(inner.url)
-        self.inner = inner
-        self.conditional_writes = inner.conditional_writes  # type: ignore[misc]
+        super().__init__(inner)
         self.fail_puts: dict[str, int] = {}
         self.gate: threading.Event | None = None
         self.corrupt: dict[str, object] = {}
@@ -43,18 +41,3 @@ class FaultyStore(Store):
             if key.startswith(prefix):
                 return fn(data)  # type: ignore[operator]
         return data
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(key, start, end)
-
-    def head(self, key: str) -> ObjectInfo:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        return self.inner.get_if_changed(key, etag)

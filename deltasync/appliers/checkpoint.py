@@ -51,11 +51,17 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
-from ..errors import ConflictError, DeltaFormatError, FingerprintMismatch, TensorMismatch, VersionError
+from ..errors import (
+    ConflictError,
+    DeltaFormatError,
+    FingerprintMismatch,
+    TensorMismatch,
+    VersionError,
+)
 from ..format import MAX_HEADER_BYTES, Header, raw_header, read_header
 from ..manifest import MANIFEST_KEY, Manifest
-from .base import check_header
 from ..tensors import DTYPE_BY_NAME, TensorSpec, dtype_name, fingerprint
+from .base import check_header
 
 if TYPE_CHECKING:
     from ..stores import Store

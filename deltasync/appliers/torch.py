@@ -16,8 +16,8 @@ import torch
 
 from ..codec import Decoded
 from ..format import Header
-from .base import check_header
 from ..tensors import TensorSpec, bits_view, dtype_name, fingerprint, published_tensors
+from .base import check_header
 
 __all__ = ["TorchModuleApplier"]
 

@@ -66,8 +66,8 @@ from ..codec import Decoded, get_codec
 from ..codec.compact import CompactCodec, decode_indices
 from ..errors import DeltaSyncError, TensorMismatch
 from ..format import Header, read_header
-from ..stores import ObjectInfo, Store, open_store
-from ..stores.base import PutMode
+from ..stores import Store, open_store
+from ..stores.wrap import DelegatingStore
 from ..tensors import TensorSpec, dtype_name, fingerprint
 from ._vllm_wire import pack, specs_to_json, unpack
 from .base import check_header
@@ -444,43 +444,18 @@ def _load_entries(blob: bytes) -> dict[str, np.ndarray] | None:
         return None
 
 
-class _TapStore(Store):
+class _TapStore(DelegatingStore):
     """Delegates to ``inner``; hands every downloaded delta to ``seen`` (read only)."""
 
     def __init__(self, inner: Store, seen: Any) -> None:
-        super().__init__(inner.url)
-        self.inner, self._seen = inner, seen
-        self.conditional_writes = inner.conditional_writes  # type: ignore[misc]
+        super().__init__(inner)
+        self._seen = seen
 
     def get(self, key: str) -> bytes:
         data = self.inner.get(key)
         if not key.endswith(".json"):
             self._seen(key, data)
         return data
-
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
-        return self.inner.put(key, data, mode=mode, if_match=if_match)
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(key, start, end)
-
-    def head(self, key: str) -> ObjectInfo:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        return self.inner.get_if_changed(key, etag)
-
-    def change_feed(self) -> Any:
-        return self.inner.change_feed()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # ---------------------------------------------------------------------- command line

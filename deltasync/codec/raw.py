@@ -18,7 +18,15 @@ import torch
 from ..diff import TensorChange
 from ..errors import CodecError
 from ..tensors import TensorSpec, bits_dtype
-from .base import BaseLookup, Codec, Decoded, Encoded, check_indices, check_part, to_numpy
+from .base import (
+    BaseLookup,
+    Codec,
+    Decoded,
+    Encoded,
+    check_indices,
+    check_part,
+    to_numpy,
+)
 
 _I32_LIMIT = 2**31
 

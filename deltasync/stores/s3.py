@@ -34,8 +34,22 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import DeltaSyncError, ObjectNotFound, PreconditionFailed, StoreError, require
-from .base import RETRY_ATTEMPTS, RETRY_BASE_DELAY, RETRY_MAX_DELAY, ObjectInfo, PutMode, Store, check_key
+from ..errors import (
+    DeltaSyncError,
+    ObjectNotFound,
+    PreconditionFailed,
+    StoreError,
+    require,
+)
+from .base import (
+    RETRY_ATTEMPTS,
+    RETRY_BASE_DELAY,
+    RETRY_MAX_DELAY,
+    ObjectInfo,
+    PutMode,
+    Store,
+    check_key,
+)
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig
