@@ -27,6 +27,8 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "MissingDependency",
+    "UnsupportedVersion",
+    "ReplicaTimeout",
 ]
 
 
@@ -99,6 +101,14 @@ class PreconditionFailed(StoreError):
 
 class MissingDependency(DeltaSyncError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class UnsupportedVersion(DeltaSyncError, ImportError):
+    """An integration meets a library version it was not tested with (its internals may differ)."""
+
+
+class ReplicaTimeout(DeltaSyncError, TimeoutError):
+    """Replicas did not reach the version a caller waits for in time."""
 
 
 def require(module: str, extra: str) -> Any:

@@ -298,7 +298,7 @@ def raw_header(data: bytes | memoryview) -> dict[str, Any]:
         )
     try:
         header = json.loads(bytes(data[8 : 8 + length]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting
         raise DeltaFormatError(f"safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise DeltaFormatError("safetensors header must be a JSON object")
@@ -317,7 +317,7 @@ def read_header(data: bytes | memoryview) -> Header:
         raise DeltaFormatError("not a deltasync file: metadata 'format' is not 'deltasync'")
     try:
         return _parse_header(meta)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:  # int(inf), nested JSON
         if isinstance(exc, DeltaFormatError):
             raise
         raise DeltaFormatError(f"malformed deltasync metadata: {exc!r}") from None

@@ -211,7 +211,7 @@ class Manifest:
         """
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting
             raise ManifestError(f"manifest is not valid JSON: {exc}") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ManifestError("not a deltasync manifest (missing format 'deltasync-manifest')")

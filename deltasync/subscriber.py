@@ -451,6 +451,6 @@ def read_acks(store: Store) -> list[dict[str, Any]]:
     for info in store.list("acks/"):
         try:
             acks.append(json.loads(store.get(info.key)))
-        except (DeltaSyncError, ValueError):
+        except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
             continue
     return acks

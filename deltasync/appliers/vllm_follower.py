@@ -470,12 +470,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["inflight", "pause"], default="inflight")
     parser.add_argument("--pause-mode", choices=["wait", "abort"], default="wait")
     parser.add_argument("--replica-id", default=None)
-    parser.add_argument("--poll-interval", type=float, default=1.0)
+    parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls after a change")
+    parser.add_argument(
+        "--max-poll-interval", type=float, default=15.0, help="idle backoff cap: the longest a new version waits unseen"
+    )
     parser.add_argument("--once", action="store_true", help="apply the latest version and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     follower = VLLMFollower(args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode)
-    sub = follower.subscriber(args.store, replica_id=args.replica_id, poll_interval=args.poll_interval)
+    sub = follower.subscriber(
+        args.store,
+        replica_id=args.replica_id,
+        poll_interval=args.poll_interval,
+        max_poll_interval=args.max_poll_interval,
+    )
     with sub:
         if args.once:
             sub.update()

@@ -1,0 +1,387 @@
+"""Trainer side of deltasync for transformers / TRL: a ``TrainerCallback`` that publishes every step.
+
+:class:`DeltaSyncCallback` owns one :class:`~deltasync.Publisher`. It publishes
+an anchor when training begins and a version after every optimizer step (or
+every ``every`` steps), from ``on_step_end``: the Trainer runs
+``on_pre_optimizer_step``, ``optimizer.step()``, ``on_optimizer_step``,
+``lr_scheduler.step()``, ``global_step += 1``, ``on_step_end``, so at
+``on_step_end`` the weights are final for the step *and* ``state.global_step``
+already names it. A version therefore carries the same step number as a
+checkpoint saved at that step, and as the ``global_step`` a GRPOTrainer syncs
+at before its next generation (publishing from ``on_optimizer_step`` would need
+``global_step + 1`` and would mislabel an optimizer step the scaler skipped).
+The publish diffs on the training thread (about 0.1 s for 135M parameters);
+encoding and upload overlap the next step.
+
+Sync policy (what :meth:`DeltaSyncCallback.sync` does, called by
+:class:`~deltasync.integrations.DeltaSyncGRPOTrainer` before each generation):
+
+- ``sync="async"`` (default): never wait, unless ``max_staleness=k`` is set:
+  then wait only while the watched replicas are more than ``k`` versions behind
+  the newest committed version.
+- ``sync="on_policy"``: publish the current weights if they are not yet, wait
+  for the commit, then wait until the watched replicas report that version.
+
+Replicas are watched through their vLLM server's ``GET /weight_info`` (the
+label the follower sets after each apply; the GRPO trainer watches the server
+it generates from) or through the store's ``acks/<replica>.json``.
+
+Metrics: every committed version's :class:`~deltasync.publisher.PublishInfo`
+is accumulated and added to the next ``on_log`` as ``deltasync/*`` keys
+(bytes, sparsity, compression, diff and publish seconds, wait seconds), so they
+reach wandb / tensorboard like any other metric, provided this callback runs
+before the reporting callbacks: use :meth:`DeltaSyncCallback.attach` (the GRPO
+trainer does) rather than ``callbacks=[...]``, where transformers puts
+reporting integrations first.
+
+Limitations (stated, not hidden):
+
+- Tested: one process on CPU (a transformers ``Trainer`` and TRL's
+  ``GRPOTrainer``). Under accelerate / DDP only the world's main process
+  publishes and waits; the other ranks skip (checked by simulating a non-main
+  state, not in a real multi-process run).
+- Sharded models (FSDP1, FSDP2 / DTensor, DeepSpeed ZeRO-3) are refused at
+  ``on_train_begin`` with ``NotImplementedError``: the publisher needs each
+  full bf16 tensor, which takes a gather in which every rank takes part. That
+  gather (or a per-shard publisher) is future work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from ..errors import DeltaSyncError, ReplicaTimeout, require
+from ..manifest import MANIFEST_KEY, Manifest
+from ..publisher import Publisher, PublishInfo
+from ..stores import Store
+from ..subscriber import read_acks
+
+transformers = require("transformers", "trl")
+
+__all__ = ["DeltaSyncCallback", "ReplicaTimeout"]  # and DeltaSyncGRPOTrainer, lazily (module __getattr__)
+
+logger = logging.getLogger("deltasync.trl")
+
+WAIT_TIMEOUT_S = 600.0  # an engine start plus an anchor apply fit well inside; a dead follower does not hang a run
+POLL_FIRST_S = 0.05  # replicas apply a 135M delta in ~35 ms: the first re-check comes about then
+POLL_MAX_S = 0.5  # cap: at most two reads a second of /weight_info or the acks while waiting
+HTTP_TIMEOUT_S = 10.0
+
+Sync = Literal["async", "on_policy"]
+
+
+class DeltaSyncCallback(transformers.TrainerCallback):
+    """Publishes a Trainer's weights to a deltasync store: an anchor at train begin, a version per step.
+
+    Args:
+        store (`str` or `Store`): run prefix, e.g. ``"./run1"`` or ``"s3://bucket/run1"``.
+        every (`int`, *optional*, defaults to 1): publish every this many optimizer steps.
+        sync (`str`, *optional*, defaults to ``"async"``): ``"async"`` or ``"on_policy"`` (see the module doc).
+        max_staleness (`int`, *optional*): with ``"async"``, wait in :meth:`sync` while replicas are more
+            than this many versions behind; ``None`` never waits.
+        replicas (`int` or `Sequence[str]`, *optional*): which replicas to wait for, through the store's acks:
+            at least this many, or these replica ids. ``None``: the vLLM server(s) registered with
+            :meth:`watch_server` (the GRPO trainer registers its own), else every replica that acked this run.
+        wait_timeout (`float`, *optional*, defaults to 600): seconds before a wait raises :class:`ReplicaTimeout`.
+        publisher_options: passed to :class:`~deltasync.Publisher` (``codec``, ``anchor_every``, store options
+            such as ``endpoint``...).
+
+    Example:
+        ```python
+        >>> callback = DeltaSyncCallback("s3://bucket/run1")
+        >>> trainer = Trainer(model, args, train_dataset=data)
+        >>> callback.attach(trainer)          # first in line, so deltasync/* metrics reach report_to
+        >>> trainer.train()                   # v0 anchor at begin, one version per optimizer step
+        ```
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        *,
+        every: int = 1,
+        sync: Sync = "async",
+        max_staleness: int | None = None,
+        replicas: int | Sequence[str] | None = None,
+        wait_timeout: float = WAIT_TIMEOUT_S,
+        **publisher_options: Any,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, not {every}")
+        if sync not in ("async", "on_policy"):
+            raise ValueError(f"sync must be 'async' or 'on_policy', not {sync!r}")
+        if max_staleness is not None and (sync == "on_policy" or max_staleness < 0):
+            raise ValueError("max_staleness is a non-negative number of versions, for sync='async' only")
+        if isinstance(replicas, str) or (isinstance(replicas, int) and replicas < 1):
+            raise ValueError("replicas is a positive count or a list of replica ids")
+        if wait_timeout <= 0:
+            raise ValueError("wait_timeout must be positive")
+        self.store, self.every, self.sync_mode = store, every, sync
+        self.max_staleness, self.wait_timeout = max_staleness, wait_timeout
+        self.replicas = None if replicas is None or isinstance(replicas, int) else list(replicas)
+        self.min_replicas = replicas if isinstance(replicas, int) else None
+        self.publisher_options = publisher_options
+        self.publisher: Publisher | None = None
+        self.history: list[PublishInfo] = []
+        """Every committed version's cost, oldest first (main process only)."""
+        self.servers: list[str] = []
+        self._state: Any = None
+        self._published_step: int | None = None
+        self._lock = threading.Lock()
+        self._unlogged: list[PublishInfo] = []
+        self._waited_s, self._waits, self._replica_version = 0.0, 0, None
+        self._run_id: str | None = None
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(self, trainer: Any) -> DeltaSyncCallback:
+        """Add this callback to ``trainer`` ahead of the reporting integrations (wandb, tensorboard...)."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    def watch_server(self, url: str) -> None:
+        """Wait for this vLLM server's ``/weight_info`` label (set by the follower) when ``replicas`` is None."""
+        if url.rstrip("/") not in self.servers:
+            self.servers.append(url.rstrip("/"))
+
+    @property
+    def version(self) -> int | None:
+        """Newest committed version (``None`` before the first commit or off the main process)."""
+        return self.publisher.version if self.publisher is not None else None
+
+    # ------------------------------------------------------------------ Trainer hooks
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._state = state
+        if model is None:
+            raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
+        _refuse_sharded(model)
+        if not state.is_world_process_zero:
+            return  # one writer per run prefix: the world's main process
+        if self.publisher is None:
+            self.publisher = Publisher(model, self.store, on_publish=self._collect, **self.publisher_options)
+        self._publish(state.global_step)  # the anchor every replica can start from
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._state = state
+        if self.publisher is not None and state.global_step % self.every == 0:
+            self._publish(state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if self.publisher is None or logs is None:
+            return
+        metrics = self.metrics()
+        logs.update(metrics)
+        # Trainer.log stored a copy of ``logs`` before calling back: keep the history complete too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._state = state
+        if self.publisher is None:
+            return
+        try:
+            if self._published_step != state.global_step:
+                self.publisher.publish(state.global_step, block=True)  # the final weights, whatever ``every`` is
+            self.publisher.close()  # flush: raises what failed in the background
+        except DeltaSyncError:
+            logger.exception("deltasync: the final weights may not be published")
+            raise
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self, step: int | None = None) -> int | None:
+        """Apply the sync policy before generation: publish if needed, then wait if asked.
+
+        Args:
+            step (`int`, *optional*): the trainer step the weights belong to; defaults to ``state.global_step``.
+
+        Returns:
+            `int` or `None`: the newest committed version (``None`` off the main process).
+
+        Raises:
+            `ReplicaTimeout`: the watched replicas did not get there within ``wait_timeout``.
+        """
+        if self.publisher is None:
+            if self._state is not None and not self._state.is_world_process_zero:
+                return None
+            raise RuntimeError("the callback has not started: Trainer.train() calls on_train_begin() first")
+        step = self._state.global_step if step is None else step
+        if self.sync_mode == "on_policy":
+            if self._published_step != step:
+                self.publisher.publish(step, block=True)
+                self._published_step = step
+            self.publisher.flush()  # commits a coalesced publish too: the newest weights are a version now
+            target = self.publisher.version
+        elif self.max_staleness is None:
+            return self.publisher.version
+        else:
+            newest = self.publisher.version
+            target = None if newest is None else newest - self.max_staleness
+        if target is not None and target >= 0:
+            self.wait_for(target)
+        return self.publisher.version
+
+    def wait_for(self, version: int, timeout: float | None = None) -> None:
+        """Block until every watched replica holds ``version`` or newer.
+
+        Raises:
+            `ReplicaTimeout`: not reached within ``timeout`` (defaults to ``wait_timeout``).
+        """
+        started = time.monotonic()
+        deadline = started + (self.wait_timeout if timeout is None else timeout)
+        interval = POLL_FIRST_S
+        while True:
+            seen = self.replica_versions()
+            lowest = _lowest(seen, self.min_replicas)
+            if lowest is not None and lowest >= version:
+                break
+            if time.monotonic() >= deadline:
+                raise ReplicaTimeout(
+                    f"waited {time.monotonic() - started:.0f} s for replicas to reach v{version}; they report "
+                    f"{seen or 'nothing'}. Is the follower running against {self._store_url()} "
+                    "(python -m deltasync.appliers.vllm_follower --store ... --server ...)?",
+                    version=version,
+                    seen=seen,
+                )
+            time.sleep(interval)
+            interval = min(POLL_MAX_S, interval * 2)
+        with self._lock:
+            self._waited_s += time.monotonic() - started
+            self._waits += 1
+            self._replica_version = lowest
+
+    def replica_versions(self) -> dict[str, int | None]:
+        """Version each watched replica reports now: ``{"server:URL" or replica id: version or None}``."""
+        if self.replicas is None and self.min_replicas is None and self.servers:
+            return {f"server:{url}": _server_version(url) for url in self.servers}
+        assert self.publisher is not None
+        run_id = self._current_run_id()
+        acks = {
+            str(a.get("replica")): a.get("version")
+            for a in read_acks(self.publisher.store)
+            if a.get("run_id") == run_id and isinstance(a.get("version"), int)
+        }
+        if self.replicas is not None:
+            return {rid: acks.get(rid) for rid in self.replicas}
+        return acks
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self) -> dict[str, float]:
+        """``deltasync/*`` metrics since the previous call (what ``on_log`` adds)."""
+        with self._lock:
+            infos, self._unlogged = self._unlogged, []
+            waited, waits, replica = self._waited_s, self._waits, self._replica_version
+            self._waited_s, self._waits = 0.0, 0
+        out: dict[str, float] = {}
+        if self.version is not None:
+            out["deltasync/version"] = self.version
+        deltas = [i for i in infos if i.kind == "delta"]
+        if deltas:
+            n = len(deltas)
+            out["deltasync/versions"] = n
+            out["deltasync/bytes"] = sum(i.bytes for i in deltas) / n
+            out["deltasync/dense_bytes"] = deltas[-1].dense_bytes
+            out["deltasync/compression"] = sum(i.dense_bytes / max(i.bytes, 1) for i in deltas) / n
+            out["deltasync/sparsity"] = sum(i.sparsity for i in deltas) / n
+            out["deltasync/changed"] = sum(i.nnz for i in deltas) / n
+            out["deltasync/diff_s"] = sum(i.t_diff for i in deltas) / n
+            out["deltasync/publish_s"] = sum(i.t_total for i in deltas) / n
+            out["deltasync/coalesced"] = sum(i.coalesced for i in deltas)
+        anchors = [i for i in infos if i.kind == "anchor"]
+        if anchors:
+            out["deltasync/anchor_bytes"] = anchors[-1].bytes
+        if waits:
+            out["deltasync/wait_s"] = waited
+        if replica is not None:
+            out["deltasync/replica_version"] = replica
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _publish(self, step: int) -> None:
+        assert self.publisher is not None
+        self.publisher.publish(step)  # coalesced if the previous upload is still running: flush() covers it
+        self._published_step = step
+
+    def _collect(self, info: PublishInfo) -> None:  # publisher worker thread
+        with self._lock:
+            self.history.append(info)
+            self._unlogged.append(info)
+
+    def _current_run_id(self) -> str | None:
+        if self._run_id is None and self.publisher is not None:
+            try:
+                self._run_id = Manifest.from_bytes(self.publisher.store.get(MANIFEST_KEY)).run_id
+            except DeltaSyncError:
+                return None
+        return self._run_id
+
+    def _store_url(self) -> str:
+        return self.publisher.store.url if self.publisher is not None else str(self.store)
+
+
+def _lowest(seen: dict[str, int | None], at_least: int | None) -> int | None:
+    """The version all watched replicas hold (the ``at_least`` newest, if a count is asked for)."""
+    versions = sorted((v for v in seen.values() if v is not None), reverse=True)
+    if at_least is not None:
+        return versions[at_least - 1] if len(versions) >= at_least else None
+    if not seen or len(versions) < len(seen):
+        return None
+    return versions[-1]
+
+
+def _server_version(url: str) -> int | None:
+    """The weight-version label of a vLLM server (the follower sets it to the applied version)."""
+    try:
+        with urllib.request.urlopen(f"{url}/weight_info", timeout=HTTP_TIMEOUT_S) as response:
+            label = json.loads(response.read()).get("weight_version")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None  # "default": nothing applied yet
+
+
+def _refuse_sharded(model: Any) -> None:
+    """Refuse FSDP / ZeRO-3 models (publishing needs a gather on every rank) and PEFT (needs a merge)."""
+    if hasattr(model, "peft_config"):
+        raise NotImplementedError(
+            "DeltaSyncCallback does not merge PEFT adapters: replicas would receive adapter tensors their "
+            "checkpoint does not have. Merge first, or publish merged weights from your own loop."
+        )
+    for name, param in model.named_parameters():
+        kind = None
+        if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
+            kind = "FSDP2 (DTensor parameters)"
+        elif hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
+            kind = "DeepSpeed ZeRO-3"
+        elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
+            kind = "FSDP1"
+        if kind is not None:
+            raise NotImplementedError(
+                f"DeltaSyncCallback does not support sharded models yet ({kind}, parameter {name!r}): publishing "
+                "needs every full tensor, which takes a gather on all ranks. Use DDP or a single process, or "
+                "publish from your own loop after gathering the full state dict (Publisher(state_dict, store))."
+            )
+
+
+def __getattr__(name: str) -> Any:
+    # The GRPO integration touches TRL internals; it lives (version-pinned) in its own module.
+    if name == "DeltaSyncGRPOTrainer":
+        from ._trl_patch import DeltaSyncGRPOTrainer
+
+        return DeltaSyncGRPOTrainer
+    raise AttributeError(name)

