@@ -46,6 +46,7 @@ from .errors import (
     FingerprintMismatch,
     ObjectNotFound,
     PreconditionFailed,
+    StoreError,
 )
 from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
 from .manifest import (
@@ -71,6 +72,7 @@ ANCHOR_RATIO = 1.0  # deltas since the last anchor may add up to one anchor: cat
 KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch-up is never stranded
 PART_BYTES = 256 << 20  # anchor part size: large enough for throughput, small enough to pipeline
 LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
+MAX_ERRORS_KEPT = 20  # recent failure messages kept in stats during an outage
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,7 @@ class Publisher:
         self._dirty = False
         self._fatal: DeltaSyncError | None = None
         self._last_error: BaseException | None = None
+        self._resync = False
         self._coalesced_now = 0
         self._anchor_version = 0
         self._since_anchor = 0
@@ -219,6 +222,8 @@ class Publisher:
                 return False
             self._inflight.result()
         started = time.perf_counter()
+        if self._resync:  # the store's state is uncertain: re-read it and re-anchor
+            self._snapshot, self._resync = None, False
         if self._snapshot is None:
             self._open()
             snapshot = Snapshot.capture(self.model, dtype=self.dtype)
@@ -327,6 +332,14 @@ class Publisher:
                 # Someone else wrote the manifest: a rival writer (stop), or an operator's gc
                 # that removed retired keys (merge and retry).
                 retained = self._merge_foreign_edit(retained)
+            except StoreError:
+                # The write may have landed even though the call failed (a lost acknowledgement):
+                # replicas could already hold it, so find out before anything else is written.
+                landed = self._landed(retained)
+                if landed is None:
+                    raise
+                info = landed
+                break
         else:
             raise ConflictError(f"{self.store.url}/{MANIFEST_KEY} keeps changing under this publisher")
         self._manifest, self._etag = retained, info.etag
@@ -344,6 +357,23 @@ class Publisher:
         self._check_owner_best_effort(after_write=True)
         return info
 
+    def _landed(self, attempted: Manifest) -> ObjectInfo | None:
+        """The stored manifest's info if it is exactly ``attempted``; ``None`` if it is not.
+
+        When even the read-back fails, the store's state is unknown: the next
+        publish starts over from the stored manifest with a fresh anchor, which
+        makes every replica exact whatever it applied.
+        """
+        try:
+            got = self.store.get_if_changed(MANIFEST_KEY, None)
+        except DeltaSyncError:
+            self._resync = True
+            return None
+        if got is not None and got[0] == attempted.to_bytes():
+            logger.warning("manifest write reported a failure but landed; treating v%s as committed", attempted.latest)
+            return got[1]
+        return None
+
     def _merge_foreign_edit(self, ours: Manifest) -> Manifest:
         try:
             data, info = self.store.get_if_changed(MANIFEST_KEY, None) or (b"", None)
@@ -354,6 +384,15 @@ class Publisher:
             raise ConflictError(
                 f"another writer changed {self.store.url}/{MANIFEST_KEY}: this publisher lost the prefix "
                 "(a second trainer, or a takeover); stop one of them",
+            )
+        if self._manifest is not None and theirs.versions != self._manifest.versions:
+            # Our own id wrote versions we do not know about (a write we believed failed):
+            # never overwrite them; start over from the stored manifest with an anchor.
+            self._resync = True
+            raise StoreError(
+                f"{self.store.url}/{MANIFEST_KEY} holds versions this publisher did not confirm; "
+                "the next publish re-anchors",
+                key=MANIFEST_KEY,
             )
         # Only retired keys may differ (gc deleted some): keep ours minus what is already gone.
         gone = {k for k, _ in (self._manifest.retired if self._manifest else ())} - {k for k, _ in theirs.retired}
@@ -390,7 +429,7 @@ class Publisher:
             logger.error("%s", exc)
         except Exception as exc:  # the trainer keeps training; flush() re-raises
             self.stats.failed += 1
-            self.stats.errors.append(f"{type(exc).__name__}: {exc}")
+            self.stats.errors = [*self.stats.errors[-(MAX_ERRORS_KEPT - 1):], f"{type(exc).__name__}: {exc}"]
             logger.warning("publish failed, the next publish will cover these changes: %s", exc)
             self._last_error = exc
 
