@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -42,7 +41,6 @@ import time
 import traceback
 import tracemalloc
 from collections import Counter
-from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -53,51 +51,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, machine, write_json  # noqa: E402
 
 from deltasync import manifest as manifest_module  # noqa: E402
+from deltasync._workload import make_weights, train_step  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys  # noqa: E402
 from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
 from deltasync.stores import open_store  # noqa: E402
 from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
+from deltasync.tensors import weights_digest as digest  # noqa: E402
 
 RSS_EVERY_S = 1.0  # replicas report their resident memory this often
 FINISH_S = 180.0  # liveness bound for the final catch-up of a replica
 
 
 # ---------------------------------------------------------------------- model and updates
-
-
-def make_weights(scale: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
-    """About ``scale`` million elements: fp32 masters and bf16 tensors."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed.weight": torch.randn(1024 * scale, 512, generator=g),
-        "layers.0.proj.weight": torch.randn(512 * scale, 768, generator=g).to(torch.bfloat16),
-        "layers.0.norm.weight": torch.ones(768),
-        "head.weight": torch.randn(64 * scale, 1024, generator=g).to(torch.bfloat16),
-    }
-
-
-def train_step(weights: dict[str, torch.Tensor], step: int, g: torch.Generator) -> None:
-    """A random sparse update; every 13th step rewrites the norm, every 29th plants special values."""
-    for name, tensor in weights.items():
-        flat = tensor.view(-1)
-        if name.endswith("norm.weight") and step % 13 == 0:
-            flat.add_(torch.randn(flat.numel(), generator=g).to(flat.dtype) * 0.01)
-            continue
-        density = float(torch.empty(1).uniform_(0.0005, 0.01, generator=g))
-        idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * density)),), generator=g)
-        flat[idx] = (flat[idx].float() + torch.randn(idx.numel(), generator=g) * 0.01).to(flat.dtype)
-        if step % 29 == 0:
-            specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])
-            flat[torch.randint(0, flat.numel(), (5,), generator=g)] = specials.to(flat.dtype)
-
-
-def digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over names and bf16 bit patterns, in name order."""
-    h = hashlib.sha256()
-    for name, t in sorted(tensors, key=lambda item: item[0]):
-        h.update(name.encode() + b"\0" + t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
 
 
 def rss_bytes() -> int:

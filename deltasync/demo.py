@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import multiprocessing as mp
 import os
 import shutil
@@ -39,14 +38,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._demo_board import Board, Replica, pump_events, summary
-from .tensors import bits_view, published_tensors
+from .tensors import published_tensors, weights_digest
 
 __all__ = ["main", "run", "add_arguments", "weights_digest"]
 
@@ -61,23 +60,6 @@ WAIT_S = 300.0  # how long the trainer waits for a replica before calling it los
 
 
 # ---------------------------------------------------------------------- shared helpers
-
-
-def weights_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over every tensor's name and bf16 bit patterns, in name order.
-
-    Tensors in another float dtype are cast to bf16 first (the published cast),
-    so a trainer's fp32 masters and a replica's bf16 weights hash alike exactly
-    when every published element is bit-identical.
-    """
-    h = hashlib.sha256()
-    for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        t = tensor.detach()
-        if t.dtype != torch.bfloat16:
-            t = t.to(torch.bfloat16)
-        h.update(name.encode() + b"\0")
-        h.update(memoryview(bits_view(t.contiguous()).cpu().numpy()).cast("B"))
-    return h.hexdigest()
 
 
 def _quiet_transformers() -> Any:

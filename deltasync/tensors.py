@@ -24,6 +24,7 @@ __all__ = [
     "bits_view",
     "fingerprint",
     "published_tensors",
+    "weights_digest",
 ]
 
 # Safetensors' dtype names for the element types deltasync publishes.
@@ -131,3 +132,20 @@ def published_tensors(
             continue
         seen.add(key)
         yield name, tensor
+
+
+def weights_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over every tensor's name and bf16 bit patterns, in name order.
+
+    Tensors in another float dtype are cast to bf16 first (the published cast),
+    so a trainer's fp32 masters and a replica's bf16 weights hash alike exactly
+    when every published element is bit-identical. For checks, demos and soak runs.
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        t = tensor.detach()
+        if t.dtype != torch.bfloat16:
+            t = t.to(torch.bfloat16)
+        h.update(name.encode() + b"\0")
+        h.update(memoryview(bits_view(t.contiguous()).cpu().numpy()).cast("B"))
+    return h.hexdigest()

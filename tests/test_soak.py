@@ -14,23 +14,23 @@ retention promises. ``benchmarks/soak.py`` is the long variant, with processes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
 from deltasync import manifest as manifest_module
+from deltasync._workload import make_weights, train_step
 from deltasync.appliers import TorchModuleApplier
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys
 from deltasync.publisher import Publisher, PublishInfo
 from deltasync.stores import open_store
 from deltasync.subscriber import Subscriber, UpdateInfo
+from deltasync.tensors import weights_digest as digest
 
 pytestmark = pytest.mark.slow
 
@@ -39,41 +39,6 @@ ANCHOR_EVERY = 10
 KEEP_ANCHORS = 2
 REPLICAS = 3
 WAIT_S = 60.0  # liveness bound for the final catch-up; not a timing threshold
-
-
-def make_weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    """About 1M elements: fp32 masters and bf16 tensors, one small tensor that changes densely."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed.weight": torch.randn(1024, 512, generator=g),
-        "layers.0.proj.weight": torch.randn(512, 768, generator=g).to(torch.bfloat16),
-        "layers.0.norm.weight": torch.ones(768),
-        "head.weight": torch.randn(64, 1024, generator=g).to(torch.bfloat16),
-    }
-
-
-def train_step(weights: dict[str, torch.Tensor], step: int, g: torch.Generator) -> None:
-    """A random sparse update; every 13th step rewrites the norm, every 29th plants special values."""
-    for name, tensor in weights.items():
-        flat = tensor.view(-1)
-        if name.endswith("norm.weight") and step % 13 == 0:
-            flat.add_(torch.randn(flat.numel(), generator=g).to(flat.dtype) * 0.01)
-            continue
-        density = float(torch.empty(1).uniform_(0.0005, 0.01, generator=g))
-        idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * density)),), generator=g)
-        flat[idx] = (flat[idx].float() + torch.randn(idx.numel(), generator=g) * 0.01).to(flat.dtype)
-        if step % 29 == 0:
-            specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])
-            spots = torch.randint(0, flat.numel(), (5,), generator=g)
-            flat[spots] = specials.to(flat.dtype)
-
-
-def digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over names and bf16 bit patterns, in name order."""
-    h = hashlib.sha256()
-    for name, t in sorted(tensors, key=lambda item: item[0]):
-        h.update(name.encode() + b"\0" + t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
 
 
 class Follower(threading.Thread):
