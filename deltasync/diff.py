@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import TensorMismatch
-from .tensors import TensorSpec, bits_view, dtype_name, published_tensors
+from .tensors import TensorSpec, bits_view, published_tensors
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DENSE_FRACTION"]
 
@@ -110,9 +110,7 @@ class Snapshot:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self._tensors = dict(tensors)
-        self.specs = tuple(
-            TensorSpec(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in self._tensors.items()
-        )
+        self.specs = tuple(TensorSpec.of(name, t) for name, t in self._tensors.items())
 
     @classmethod
     def capture(

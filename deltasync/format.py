@@ -32,7 +32,7 @@ import torch
 from .codec import DEFAULT_CODEC, BaseLookup, Decoded, get_codec
 from .diff import ChangeSet, TensorChange
 from .errors import CodecError, DeltaFormatError, FingerprintMismatch
-from .tensors import TensorSpec, dtype_from_name, dtype_name, fingerprint
+from .tensors import TensorSpec, dtype_from_name, fingerprint
 
 __all__ = [
     "FORMAT_NAME",
@@ -250,7 +250,7 @@ def encode_anchor(
             ``source`` is one part of a larger anchor; fingerprint and ``numel``
             describe the whole model.
     """
-    specs = tuple(TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items())
+    specs = tuple(TensorSpec.of(n, t) for n, t in source.items())
     entries = {s.name: _entry_json(s, "dense", s.numel, {}) for s in specs}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
     meta = _metadata("anchor", version, None, tuple(model) if model is not None else specs, entries)

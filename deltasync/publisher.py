@@ -61,7 +61,7 @@ from .manifest import (
     replace_manifest,
 )
 from .stores import ObjectInfo, Store, open_store
-from .tensors import TensorSpec, dtype_name, fingerprint, published_tensors
+from .tensors import TensorSpec, fingerprint, published_tensors
 
 __all__ = ["Publisher", "PublishInfo", "PublisherStats"]
 
@@ -282,9 +282,7 @@ class Publisher:
 
     def _open(self) -> None:
         """Read the prefix's manifest and take ownership, or refuse."""
-        live = [
-            TensorSpec(n, tuple(t.shape), dtype_name(self.dtype or t.dtype)) for n, t in published_tensors(self.model)
-        ]
+        live = [TensorSpec.of(n, t, self.dtype) for n, t in published_tensors(self.model)]
         fp, numel = fingerprint(live), sum(s.numel for s in live)
         try:
             got = self.store.get_if_changed(MANIFEST_KEY, None)

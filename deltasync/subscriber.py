@@ -42,6 +42,7 @@ from .codec import Decoded
 from .errors import (
     DeltaFormatError,
     DeltaSyncError,
+    FingerprintMismatch,
     IntegrityError,
     ObjectNotFound,
     VersionError,
@@ -275,7 +276,7 @@ class Subscriber:
             manifest = self._read_manifest()
             if manifest is None or manifest.latest is None:
                 return None
-            current = self._version if manifest.run_id == self._run_id else None
+            current = self._held(manifest)
             if current == manifest.latest:
                 return None
             if current is not None and current > manifest.latest:
@@ -311,8 +312,6 @@ class Subscriber:
             data, info = got
             manifest = Manifest.from_bytes(data)
             if manifest.fingerprint != self.applier.fingerprint:
-                from .errors import FingerprintMismatch
-
                 raise FingerprintMismatch(
                     f"{self.store.url} publishes model {manifest.fingerprint}, this replica holds "
                     f"{self.applier.fingerprint}: point it at the right prefix",
@@ -345,7 +344,7 @@ class Subscriber:
         started = time.perf_counter()
         futures = {ref.key: self._fetch.submit(self._download, ref) for s in plan.steps for ref in s.objects}
         t_decode = t_apply = 0.0
-        previous = self._version if manifest.run_id == self._run_id else None
+        previous = self._held(manifest)
         for step in plan.steps:
             blobs = [futures[ref.key].result() for ref in step.objects]
             t0 = time.perf_counter()

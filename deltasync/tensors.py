@@ -85,6 +85,11 @@ class TensorSpec:
             raise ValueError(f"invalid shape {self.shape} for {self.name!r}")
         dtype_from_name(self.dtype)
 
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
+        """The spec of ``tensor`` published as ``dtype`` (``None``: its own dtype)."""
+        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+
     @property
     def numel(self) -> int:
         """Number of elements."""

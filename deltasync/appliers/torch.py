@@ -16,7 +16,7 @@ import torch
 
 from ..codec import Decoded
 from ..format import Header
-from ..tensors import TensorSpec, bits_view, dtype_name, fingerprint, published_tensors
+from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors
 from .base import check_header
 
 __all__ = ["TorchModuleApplier"]
@@ -38,10 +38,7 @@ class TorchModuleApplier:
         dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         self._tensors = dict(published_tensors(target))
-        self.specs = {
-            name: TensorSpec(name, tuple(t.shape), dtype_name(dtype or t.dtype))
-            for name, t in self._tensors.items()
-        }
+        self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
 
     def validate(self, header: Header) -> None:
