@@ -15,6 +15,7 @@ Reading is split in two so a receiver can refuse a file before decoding it:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -43,6 +44,7 @@ __all__ = [
     "encode_anchor",
     "read_header",
     "decode",
+    "combine",
 ]
 
 FORMAT_NAME = "deltasync"
@@ -76,6 +78,8 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
 _T = TypeVar("_T")
 
 Kind = Literal["delta", "anchor"]
+Rows = tuple[int, int]
+"""``[start, stop)`` along dim 0 of a tensor: the part of it one shard file carries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,28 @@ class TensorEntry:
     """Elements that changed since the base version (all, for anchors)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Codec parameters."""
+    rows: Rows | None = None
+    """For a shard written by one trainer rank: the dim-0 rows of the full tensor this
+    file carries (indices and values are relative to the first); ``None``: all of it."""
+
+    @property
+    def local_spec(self) -> TensorSpec:
+        """The spec of what the file carries: the full tensor, or its slice of ``rows``."""
+        if self.rows is None:
+            return self.spec
+        return TensorSpec(self.spec.name, (self.rows[1] - self.rows[0], *self.spec.shape[1:]), self.spec.dtype)
+
+    @property
+    def offset(self) -> int:
+        """Flat index in the full tensor of the first element carried."""
+        if self.rows is None:
+            return 0
+        return self.rows[0] * (self.spec.numel // self.spec.shape[0] if self.spec.shape[0] else 0)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Flat ``[start, stop)`` range of the full tensor that this entry covers."""
+        return self.offset, self.offset + self.local_spec.numel
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +156,8 @@ def encode_delta(
     codec: str = DEFAULT_CODEC,
     level: int = DEFAULT_LEVEL,
     workers: int | None = None,
+    model: Sequence[TensorSpec] | None = None,
+    rows: Mapping[str, Rows] | None = None,
 ) -> bytes:
     """Serialize a change set as a delta file.
 
@@ -141,6 +169,10 @@ def encode_delta(
             densely changed tensors always use ``"dense"``.
         level (`int`, *optional*, defaults to 1): zstd level for compressing codecs.
         workers (`int`, *optional*): encoding threads; defaults to the CPU count (at most 8).
+        model (`Sequence[TensorSpec]`, *optional*): every tensor of the full model, when
+            ``changes`` covers only one trainer rank's shard of it (see ``rows``).
+        rows (`Mapping[str, Rows]`, *optional*): for a shard: per tensor, the dim-0 rows of
+            the full tensor that ``changes`` was computed on (its specs are the slices).
 
     Returns:
         `bytes`: one safetensors file.
@@ -158,13 +190,34 @@ def encode_delta(
 
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
+    specs = tuple(model) if model is not None else changes.specs
+    full = _full_specs(specs, [c.spec for c in changes.changes], rows)
     results = _map_shared(encode_one, changes.changes, workers or _WORKERS)
     for change, (name, encoded) in zip(changes.changes, results):
         for part, array in encoded.parts.items():
             tensors[f"{change.spec.name}::{part}"] = array.contiguous()
-        entries[change.spec.name] = _entry_json(change.spec, name, change.nnz, encoded.params)
-    meta = _metadata("delta", version, base_version, changes.specs, entries)
+        entries[change.spec.name] = _entry_json(
+            full[change.spec.name], name, change.nnz, encoded.params, (rows or {}).get(change.spec.name)
+        )
+    meta = _metadata("delta", version, base_version, specs, entries)
     return _serialize(tensors, meta)
+
+
+def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows: Mapping[str, Rows] | None) -> dict[str, TensorSpec]:
+    """The full-tensor spec of each carried tensor, checking that shard slices match their rows."""
+    by_name = {s.name: s for s in model}
+    out = {}
+    for local in carried:
+        spec = by_name.get(local.name, local)
+        window = (rows or {}).get(local.name)
+        if window is not None:
+            expected = TensorEntry(spec, "dense", 0, rows=window).local_spec
+            if not spec.shape or not 0 <= window[0] <= window[1] <= spec.shape[0] or expected != local:
+                raise ValueError(f"{local.name}: slice {local} does not match rows {window} of {spec}")
+        elif spec != local:
+            raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")
+        out[local.name] = spec
+    return out
 
 
 def _map_shared(fn: Callable[[TensorChange], _T], changes: Sequence[TensorChange], workers: int) -> list[_T]:
@@ -237,6 +290,7 @@ def encode_anchor(
     *,
     version: int,
     model: Sequence[TensorSpec] | None = None,
+    rows: Mapping[str, Rows] | None = None,
 ) -> bytes:
     """Serialize full tensors (in their published dtype) as an anchor file.
 
@@ -249,16 +303,22 @@ def encode_anchor(
         model (`Sequence[TensorSpec]`, *optional*): every tensor of the model, when
             ``source`` is one part of a larger anchor; fingerprint and ``numel``
             describe the whole model.
+        rows (`Mapping[str, Rows]`, *optional*): for a trainer rank's shard: per tensor,
+            the dim-0 rows of the full tensor that ``source`` holds.
     """
     specs = tuple(TensorSpec.of(n, t) for n, t in source.items())
-    entries = {s.name: _entry_json(s, "dense", s.numel, {}) for s in specs}
+    full = _full_specs(tuple(model) if model is not None else specs, specs, rows)
+    entries = {s.name: _entry_json(full[s.name], "dense", s.numel, {}, (rows or {}).get(s.name)) for s in specs}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
     meta = _metadata("anchor", version, None, tuple(model) if model is not None else specs, entries)
     return safetensors.torch.save(tensors, metadata=meta)
 
 
-def _entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any]) -> dict[str, Any]:
-    return {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
+def _entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any], rows: Rows | None = None) -> dict[str, Any]:
+    out = {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
+    if rows is not None:
+        out["rows"] = [int(rows[0]), int(rows[1])]
+    return out
 
 
 def _metadata(
@@ -354,12 +414,23 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         raise DeltaFormatError(f"{name}: bad shape {shape!r}")
     dtype_from_name(raw["dtype"])
     spec = TensorSpec(name, tuple(shape), raw["dtype"])
-    nnz, params = raw["nnz"], raw.get("params", {})
-    if not isinstance(nnz, int) or not 0 <= nnz <= spec.numel:
-        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {spec.numel}]")
+    nnz, params, rows = raw["nnz"], raw.get("params", {}), raw.get("rows")
+    if rows is not None:
+        if (
+            not isinstance(rows, list)
+            or len(rows) != 2
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+            or not shape
+            or not 0 <= rows[0] <= rows[1] <= shape[0]
+        ):
+            raise DeltaFormatError(f"{name}: bad rows {rows!r} for shape {shape}")
+        rows = (rows[0], rows[1])
+    entry = TensorEntry(spec, str(raw["codec"]), 0, {}, rows)
+    if not isinstance(nnz, int) or not 0 <= nnz <= entry.local_spec.numel:
+        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
-    return TensorEntry(spec, str(raw["codec"]), nnz, params)
+    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows)
 
 
 def check_compatible(header: Header, expected_fingerprint: str) -> None:
@@ -386,6 +457,9 @@ def decode(
 
     Returns:
         `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
+            For a shard file (entries with ``rows``) indices are flat in the full tensor and
+            a whole slice comes back as ``Decoded(None, values, start)``; :func:`combine`
+            joins the shards of one version.
 
     Raises:
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
@@ -402,7 +476,7 @@ def decode(
             raise DeltaFormatError("anchor entries differ from its metadata")
         for name, entry in header.tensors.items():
             parts = {"val": entries[name]}
-            decoded[name] = get_codec("dense").decode(parts, {}, entry.spec, entry.nnz, None)
+            decoded[name] = _place(get_codec("dense").decode(parts, {}, entry.local_spec, entry.nnz, None), entry)
         return header, decoded
     grouped: dict[str, dict[str, torch.Tensor]] = {name: {} for name in header.tensors}
     stray = []
@@ -421,8 +495,72 @@ def decode(
         except ValueError as exc:
             raise CodecError(f"{name}: {exc}", name=name) from None
     for name, entry in header.tensors.items():
-        decoded[name] = codecs[name].decode(grouped[name], entry.params, entry.spec, entry.nnz, base)
+        lookup = base
+        if base is not None and entry.offset:
+            lookup = functools.partial(_shifted_lookup, base, entry.offset)
+        decoded[name] = _place(codecs[name].decode(grouped[name], entry.params, entry.local_spec, entry.nnz, lookup), entry)
     return header, decoded
+
+
+def _shifted_lookup(base: BaseLookup, offset: int, name: str, indices: np.ndarray) -> np.ndarray:
+    return base(name, indices + offset)
+
+
+def _place(patch: Decoded, entry: TensorEntry) -> Decoded:
+    """Move a shard's slice-relative patch to its place in the full tensor."""
+    offset = entry.offset
+    if not offset:
+        return patch
+    if patch.indices is None:
+        return Decoded(None, patch.values, offset)
+    return Decoded(patch.indices + offset, patch.values)
+
+
+def combine(parts: Sequence[tuple[Header, dict[str, Decoded]]], *, whole: bool) -> dict[str, Decoded]:
+    """Join the decoded files of one version (anchor parts, or shards from several ranks).
+
+    Each tensor's pieces must cover disjoint ranges of it; with ``whole`` (anchors)
+    they must cover all of it. A tensor carried by one file is passed through; a
+    tensor in slices becomes one patch: whole values when the slices cover the
+    tensor densely, sorted indices and values otherwise.
+
+    Raises:
+        `DeltaFormatError`: two files carry the same elements, or an anchor leaves a gap.
+    """
+    pieces: dict[str, list[tuple[tuple[int, int], Decoded]]] = {}
+    specs: dict[str, TensorSpec] = {}
+    for header, decoded in parts:
+        for name, patch in decoded.items():
+            entry = header.tensors[name]
+            if specs.setdefault(name, entry.spec) != entry.spec:
+                raise DeltaFormatError(f"{name}: the files of one version disagree on its shape or dtype")
+            pieces.setdefault(name, []).append((entry.span, patch))
+    out: dict[str, Decoded] = {}
+    for name, found in pieces.items():
+        found.sort(key=lambda item: item[0])
+        covered = 0
+        for (start, stop), _ in found:
+            if start < covered:
+                raise DeltaFormatError(f"{name}: two files of one version carry the same elements")
+            if whole and start != covered:
+                raise DeltaFormatError(f"{name}: the anchor leaves elements [{covered}, {start}) out")
+            covered = stop
+        if whole and covered != specs[name].numel:
+            raise DeltaFormatError(f"{name}: the anchor leaves elements [{covered}, {specs[name].numel}) out")
+        out[name] = _join([p for _, p in found], specs[name].numel)
+    return out
+
+
+def _join(patches: list[Decoded], numel: int) -> Decoded:
+    if len(patches) == 1 and (patches[0].indices is not None or (patches[0].start == 0 and patches[0].values.size == numel)):
+        return patches[0]
+    if all(p.indices is None for p in patches) and sum(p.values.size for p in patches) == numel:
+        return Decoded(None, np.concatenate([p.values for p in patches]))
+    indices = [
+        p.indices if p.indices is not None else np.arange(p.start, p.start + p.values.size, dtype=np.int64)
+        for p in patches
+    ]
+    return Decoded(np.concatenate(indices), np.concatenate([p.values for p in patches]))
 
 
 def as_numpy_bits(tensor: torch.Tensor) -> np.ndarray:

@@ -54,22 +54,30 @@ class ObjectRef:
     """Exact size in bytes."""
     sha256: str
     """Hex SHA-256 of the bytes."""
+    rank: int | None = None
+    """For a sharded trainer: the rank that wrote this shard of the version (each
+    tensor entry in the object's header names the rows of the full tensor it holds)."""
 
     def __post_init__(self) -> None:
         check_key(self.key)
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0):
+            raise ManifestError(f"bad rank {self.rank!r} for {self.key}", key=self.key)
         if not isinstance(self.size, int) or self.size < 0:
             raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
         if not isinstance(self.sha256, str) or len(self.sha256) != 64:
             raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "size": self.size, "sha256": self.sha256}
+        out: dict[str, Any] = {"key": self.key, "size": self.size, "sha256": self.sha256}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> ObjectRef:
         if not isinstance(raw, dict):
             raise ManifestError("object reference must be a JSON object")
-        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"))  # type: ignore[arg-type]
+        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"), raw.get("rank"))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

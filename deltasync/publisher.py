@@ -185,6 +185,10 @@ class Publisher:
         self._anchor_version = 0
         self._since_anchor = 0
         self._closed = False
+        # Set by ShardedPublisher: this rank's slice of a larger model.
+        self._specs: tuple[TensorSpec, ...] | None = None  # the full model, when sharded
+        self._rows: dict[str, tuple[int, int]] | None = None  # dim-0 rows this rank carries
+        self._rank: int | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -282,7 +286,7 @@ class Publisher:
 
     def _open(self) -> None:
         """Read the prefix's manifest and take ownership, or refuse."""
-        live = [TensorSpec.of(n, t, self.dtype) for n, t in published_tensors(self.model)]
+        live = self._specs or [TensorSpec.of(n, t, self.dtype) for n, t in published_tensors(self.model)]
         fp, numel = fingerprint(live), sum(s.numel for s in live)
         try:
             got = self.store.get_if_changed(MANIFEST_KEY, None)
@@ -440,10 +444,17 @@ class Publisher:
     def _upload(self, prefix: str, data: bytes) -> ObjectRef:
         key = f"{prefix}.safetensors"
         self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
-        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest())
+        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank)
 
     def _key(self, kind: str, version: int) -> str:
-        return f"{kind}/{version:010d}-{uuid.uuid4().hex[:8]}"
+        rank = "" if self._rank is None else f"-r{self._rank:05d}"
+        return f"{kind}/{version:010d}-{uuid.uuid4().hex[:8]}{rank}"
+
+    def _encode_delta(self, changes: ChangeSet, version: int) -> bytes:
+        return encode_delta(
+            changes, version=version, base_version=version - 1, codec=self.codec, level=self.level,
+            model=self._specs, rows=self._rows,
+        )
 
     def _commit_first_anchor(self, snapshot: Snapshot, step: int | None, started: float, t_diff: float) -> None:
         assert self._manifest is not None
@@ -460,7 +471,7 @@ class Publisher:
         assert self._manifest is not None and self._snapshot is not None
         version = self._manifest.latest + 1  # type: ignore[operator]
         t0 = time.perf_counter()
-        data = encode_delta(changes, version=version, base_version=version - 1, codec=self.codec, level=self.level)
+        data = self._encode_delta(changes, version)
         t_encode = time.perf_counter() - t0
         ref = self._upload(self._key("deltas", version), data)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
@@ -483,16 +494,19 @@ class Publisher:
         assert self._manifest is not None and self._snapshot is not None
         t0 = time.perf_counter()
         refs, t_encode = self._upload_anchor(self._snapshot, version)
-        entry = self._manifest.entry(version)
-        assert entry is not None
+        self._attach_anchor(version, refs)
+        self._anchor_version, self._since_anchor = version, 0
+        numel = sum(s.numel for s in self._snapshot.specs)
+        self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
+
+    def _attach_anchor(self, version: int, refs: tuple[ObjectRef, ...]) -> None:
+        """Add anchor objects to the already committed ``version`` (one manifest write)."""
+        assert self._manifest is not None and self._manifest.entry(version) is not None
         versions = tuple(
             VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
             for e in self._manifest.versions
         )
         self._write_manifest(replace_manifest(self._manifest, versions=versions))
-        self._anchor_version, self._since_anchor = version, 0
-        numel = sum(s.numel for s in self._snapshot.specs)
-        self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
 
     def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
         """Encode parts one after another while earlier parts upload."""
@@ -509,7 +523,7 @@ class Publisher:
         futures, t_encode = [], 0.0
         for i, group in enumerate(groups):
             t0 = time.perf_counter()
-            data = encode_anchor(group, version=version, model=snapshot.specs)
+            data = encode_anchor(group, version=version, model=self._specs or snapshot.specs, rows=self._rows)
             t_encode += time.perf_counter() - t0
             futures.append(self._uploads.submit(self._upload, f"{prefix}-part{i:04d}", data))
         return tuple(f.result() for f in futures), t_encode

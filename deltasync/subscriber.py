@@ -47,7 +47,7 @@ from .errors import (
     ObjectNotFound,
     VersionError,
 )
-from .format import Header, decode, read_header
+from .format import Header, combine, decode, read_header
 from .manifest import MANIFEST_KEY, Manifest, ObjectRef, Plan, Step, plan_route
 from .stores import Store, open_store
 from .tensors import TensorSpec
@@ -403,19 +403,23 @@ class Subscriber:
             except DeltaSyncError:
                 self._bad.add(ref.key)
                 raise
-        if step.kind == "anchor":
-            carried = [n for h in headers for n in h.tensors]
-            if sorted(carried) != sorted(self.applier.specs):
-                self._bad.update(r.key for r in step.objects)
-                raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor exactly once")
-        decoded: dict[str, Decoded] = {}
+        if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
+            self._bad.update(r.key for r in step.objects)
+            raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
+        parts = []
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
-                decoded.update(decode(blob, base=self.applier.lookup, header=header)[1])
+                parts.append(decode(blob, base=self.applier.lookup, header=header))
             except DeltaSyncError:
                 self._bad.add(ref.key)
                 raise
-        return decoded
+        try:
+            # One file per tensor, or a trainer's shards: each element carried at most once,
+            # and an anchor carries all of them.
+            return combine(parts, whole=step.kind == "anchor")
+        except DeltaSyncError:
+            self._bad.update(r.key for r in step.objects)
+            raise
 
     def _set_version(self, run_id: str | None, version: int | None) -> None:
         with self._changed:

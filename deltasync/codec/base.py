@@ -48,6 +48,9 @@ class Decoded:
     """Strictly increasing flat int64 indices, all in bounds; ``None`` for a whole tensor."""
     values: np.ndarray
     """New bit patterns (int16/int32): one per index, or every element in order."""
+    start: int = 0
+    """With ``indices is None``: the flat index ``values`` start at (non-zero only for a
+    trainer rank's shard before :func:`deltasync.format.combine` joins the shards)."""
 
 
 class Codec(ABC):

@@ -1,0 +1,404 @@
+"""Sharded trainers: every rank publishes its own shard of each version, in parallel.
+
+With FSDP2 / DTensor (parameters sharded along dim 0) each rank diffs the rows
+it holds against its own published snapshot of those rows and uploads one delta
+object. With plain data parallelism (every rank holds every parameter) the
+ranks split each tensor's rows between them, so the diff, encode and upload work
+is divided too. Nothing of the model is gathered: rank 0 collects only the
+object references (a few hundred bytes per rank) and commits the version, whose
+manifest entry lists one object per rank (``ObjectRef.rank``); each tensor
+entry in an object's header names the rows of the full tensor it carries.
+Replicas fetch the shards in parallel and join them
+(:func:`deltasync.format.combine`) with the same checks as any version: sizes,
+hashes, fingerprint, disjoint rows, and full coverage for anchors.
+
+Protocol. ``publish``, ``flush`` and ``close`` are collectives: every rank calls
+them in the same order, as every rank of a training job runs the same loop.
+Whether a publish coalesces (because some rank's upload is still running) is
+decided jointly by one all-reduce of two integers, so all ranks always publish
+the same versions. Each rank's background worker then runs the same short
+sequence of collectives on a second gloo group that the training thread never
+uses: rank 0 names the version, every rank uploads its shard, rank 0 gathers
+the references and writes the manifest, and announces the outcome. A failure on
+any rank aborts that version on every rank: all snapshots stay at the last
+committed version and the next delta covers the changes (invariant 2).
+
+Limits: parameters must be sharded along dim 0 (FSDP2's ``Shard(0)``),
+replicated, or on a 2-D mesh ``(Replicate, Shard(0))`` as HSDP lays them out;
+tensor-parallel ``Shard(1)`` and ``Partial`` placements are refused. The
+publisher's collectives run over the default process group. A rank that dies
+mid-collective blocks the others until the process group's timeout, as in any
+collective training job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .diff import ChangeSet, Snapshot, diff
+from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
+from .manifest import ObjectRef, VersionEntry
+from .publisher import Publisher
+from .stores import Store
+from .tensors import TensorSpec, published_tensors
+
+__all__ = ["ShardedPublisher", "ShardLayout", "shard_layout", "chunk_rows"]
+
+logger = logging.getLogger("deltasync.sharded")
+
+Rows = tuple[int, int]
+
+
+def chunk_rows(n: int, parts: int, index: int) -> Rows:
+    """Rows ``[start, stop)`` of chunk ``index`` when ``n`` rows are cut into ``parts``
+    chunks the way ``torch.chunk`` (and so FSDP2) cuts them: ``ceil(n / parts)`` rows each,
+    the last ones shorter or empty."""
+    size = -(-n // parts)
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """What one rank publishes of a model."""
+
+    specs: tuple[TensorSpec, ...]
+    """Every tensor of the full model (names, full shapes, published dtype)."""
+    rows: dict[str, Rows]
+    """Tensors this rank carries, with the dim-0 rows of the full tensor it holds."""
+    whole: frozenset[str]
+    """Tensors this rank carries whole (0-d tensors, published by rank 0)."""
+
+
+def shard_layout(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    rank: int,
+    world: int,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> tuple[ShardLayout, Callable[[], dict[str, torch.Tensor]]]:
+    """The layout of ``rank``'s shard and a function returning its local tensors.
+
+    DTensor parameters contribute the rows their placement gives this rank; plain
+    tensors (replicated on every rank) are cut into ``world`` row chunks, one per rank.
+
+    Raises:
+        `ValueError`: a placement other than ``Shard(0)`` / ``Replicate``, or a local
+            shard whose shape does not match its placement.
+    """
+    specs: list[TensorSpec] = []
+    rows: dict[str, Rows] = {}
+    whole: set[str] = set()
+    for name, tensor in published_tensors(model):
+        spec = TensorSpec.of(name, tensor, dtype)
+        specs.append(spec)
+        window = _rows_of(name, tensor, rank, world)
+        if window is None:
+            continue
+        if window == ():
+            whole.add(name)
+        elif window[1] > window[0]:
+            rows[name] = window  # type: ignore[assignment]
+    layout = ShardLayout(tuple(specs), rows, frozenset(whole))
+
+    def local() -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in published_tensors(model):
+            if name in layout.whole:
+                out[name] = _local(tensor)
+            elif name in layout.rows:
+                out[name] = _slice(name, tensor, layout.rows[name])
+        return out
+
+    return layout, local
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if _is_dtensor(tensor) else tensor).detach()
+
+
+def _rows_of(name: str, tensor: torch.Tensor, rank: int, world: int) -> Rows | tuple[()] | None:
+    """This rank's rows of ``tensor``; ``()`` to carry it whole; ``None`` when another rank carries it."""
+    if tensor.dim() == 0:
+        return () if rank == 0 else None
+    n = tensor.shape[0]
+    if not _is_dtensor(tensor):
+        return chunk_rows(n, world, rank)
+    mesh, coords = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+    if coords is None:
+        return None
+    window: Rows = (0, n)
+    sharded = False
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            if coords[dim] != 0:
+                return None  # an identical copy lives on the replicate group's first rank
+        elif placement.is_shard(0) and not sharded:
+            window, sharded = chunk_rows(n, mesh.size(dim), coords[dim]), True
+        else:
+            raise ValueError(
+                f"{name}: placement {tuple(tensor.placements)} is not supported for sharded publishing "
+                "(supported: Shard(0) as FSDP2 lays parameters out, Replicate)"
+            )
+    return window
+
+
+def _slice(name: str, tensor: torch.Tensor, window: Rows) -> torch.Tensor:
+    if not _is_dtensor(tensor):
+        return tensor.detach()[window[0] : window[1]]
+    local = _local(tensor)
+    if tuple(local.shape) != (window[1] - window[0], *tensor.shape[1:]):
+        raise ValueError(
+            f"{name}: local shard is {tuple(local.shape)}, expected rows {window} of {tuple(tensor.shape)} "
+            "(uneven sharding other than torch.chunk's is not supported)"
+        )
+    return local
+
+
+class ShardedPublisher(Publisher):
+    """A :class:`~deltasync.publisher.Publisher` for one rank of a sharded or data-parallel trainer.
+
+    Every rank constructs one, with the same arguments, after
+    ``torch.distributed.init_process_group``; then every rank calls ``publish``
+    after each optimizer step and ``close`` at the end. Rank 0 owns the manifest;
+    every rank uploads its own shard of each version.
+
+    Args:
+        model (`nn.Module` or `Mapping[str, Tensor]`): this rank's model (FSDP2 modules
+            hold DTensor parameters; data-parallel ranks hold full replicas).
+        store (`str` or `Store`): where to publish; every rank opens it.
+        **options: as for :class:`~deltasync.publisher.Publisher`.
+
+    Example:
+        ```python
+        >>> fully_shard(model)                           # FSDP2, on every rank
+        >>> publisher = ShardedPublisher(model, "s3://bucket/run1")
+        >>> for step in range(steps):
+        ...     train_step()
+        ...     publisher.publish(step)                  # every rank; returns at once
+        >>> publisher.close()                            # every rank
+        ```
+    """
+
+    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], store: str | Store, **options: Any) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedPublisher needs torch.distributed: call init_process_group on every rank first")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        layout, local = shard_layout(model, rank=rank, world=world, dtype=options.get("dtype", torch.bfloat16))
+        super().__init__(local(), store, **options)
+        self.layout, self.world, self._local = layout, world, local
+        self._specs, self._rank = layout.specs, rank
+        self._rows = dict(layout.rows)
+        self._dist = dist
+        # Two groups: the training thread's coalescing vote, and the workers' commit protocol.
+        # Collectives of one group are issued by one thread only, so they never interleave.
+        self._vote = dist.new_group(backend="gloo")
+        self._sync = dist.new_group(backend="gloo")
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes the manifest (rank 0)."""
+        return self._rank == 0
+
+    def publish(self, step: int | None = None, *, block: bool = False) -> bool:
+        """Publish this rank's shard of the current weights as part of the next version.
+
+        A collective: every rank must call it. Coalesces on every rank when any
+        rank's previous upload is still running (unless ``block=True``).
+        """
+        if self._closed:
+            raise RuntimeError("publisher is closed; create a new ShardedPublisher")
+        busy = self._inflight is not None and not self._inflight.done()
+        if busy and block:
+            self._inflight.result()
+            busy = False
+        vote = torch.tensor([int(busy), int(self._fatal is not None)], dtype=torch.int64)
+        self._dist.all_reduce(vote, op=self._dist.ReduceOp.MAX, group=self._vote)
+        if vote[1]:
+            raise self._fatal or ConflictError("another rank's publisher lost the prefix; stop the run")
+        if vote[0]:
+            self.stats.coalesced += 1
+            self._dirty, self._pending_step = True, step
+            return False
+        started = time.perf_counter()
+        self.model = self._local()
+        if self._resync:
+            self._snapshot, self._resync = None, False
+        if self._snapshot is None:
+            snapshot = Snapshot.capture(self.model, dtype=self.dtype)
+            t_diff = time.perf_counter() - started
+            job = lambda: self._version(None, snapshot, step, started, t_diff)  # noqa: E731
+        else:
+            changes = diff(self._snapshot, self.model, chunk=self.chunk)
+            t_diff = time.perf_counter() - started
+            job = lambda: self._version(changes, None, step, started, t_diff)  # noqa: E731
+        coalesced, self.stats.coalesced = self.stats.coalesced, 0
+        self._dirty, self._pending_step = False, None
+        self._inflight = self._pool.submit(self._guard, job, coalesced)
+        return True
+
+    # ------------------------------------------------------------------ worker (every rank)
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0, group=self._sync)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self._dist.all_gather_object(out, value, group=self._sync)
+        return out
+
+    def _version(
+        self, changes: ChangeSet | None, snapshot: Snapshot | None, step: int | None, started: float, t_diff: float
+    ) -> None:
+        """One version, on every rank: name it, upload the shards, commit, settle."""
+        named = self._broadcast(self._name_version(first=snapshot is not None) if self.is_writer else None)
+        if named[0] != "ok":
+            self._settle(named)
+            return
+        version = named[1]
+        kind = "anchor" if snapshot is not None else "delta"
+        mine = self._upload_shard(version, changes, snapshot)
+        gathered = self._gather(mine)
+        outcome = self._broadcast(self._commit_shards(gathered, version, step, kind) if self.is_writer else None)
+        self._settle(outcome)
+        if snapshot is not None:
+            self._snapshot = snapshot
+            self._anchor_version, self._since_anchor = version, 0
+        elif changes is not None and outcome[0] == "committed":
+            self._snapshot.advance(changes)  # type: ignore[union-attr]
+        self._account(mine, outcome, gathered, version, step, kind, t_diff, started)
+        if outcome[0] == "committed" and outcome[2]:
+            self._anchor(version, step)
+
+    def _name_version(self, *, first: bool) -> tuple[Any, ...]:
+        """Rank 0: take the prefix (on the first version) and pick the version number."""
+        try:
+            if first or self._manifest is None:
+                self._open()
+            assert self._manifest is not None
+            return ("ok", 0 if self._manifest.latest is None else self._manifest.latest + 1)
+        except (ConflictError, FingerprintMismatch) as exc:
+            return ("fatal", type(exc).__name__, str(exc))
+        except Exception as exc:  # a store error: this version fails on every rank, the next retries
+            return ("error", f"{type(exc).__name__}: {exc}", False)
+
+    def _upload_shard(self, version: int, changes: ChangeSet | None, snapshot: Snapshot | None) -> tuple[Any, ...]:
+        """This rank's part of the version, uploaded; what rank 0 needs to commit it."""
+        try:
+            t0 = time.perf_counter()
+            if snapshot is not None:
+                refs, t_encode = self._upload_anchor(snapshot, version)
+                nnz = sum(s.numel for s in snapshot.specs)
+            elif changes is not None and changes.nnz:
+                data = self._encode_delta(changes, version)
+                t_encode = time.perf_counter() - t0
+                refs, nnz = (self._upload(self._key("deltas", version), data),), changes.nnz
+            else:
+                refs, nnz, t_encode = (), 0, 0.0
+            upload = time.perf_counter() - t0 - t_encode
+            return ("ok", [r.to_json() for r in refs], nnz, t_encode, upload)
+        except Exception as exc:
+            return ("error", f"rank {self._rank}: {type(exc).__name__}: {exc}")
+
+    def _commit_shards(self, gathered: list[tuple[Any, ...]], version: int, step: int | None, kind: str) -> tuple[Any, ...]:
+        """Rank 0: write the version's manifest entry if every rank's shard is in the store."""
+        refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
+        errors = [g[1] for g in gathered if g[0] != "ok"]
+        if errors:
+            self._discard(refs)
+            return ("error", "; ".join(errors), False)
+        if not refs:
+            return ("empty",)
+        assert self._manifest is not None
+        nnz = sum(g[2] for g in gathered)
+        entry = VersionEntry(version, step=step, time=time.time(), nnz=nnz, **{kind: refs})  # type: ignore[arg-type]
+        try:
+            self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+        except ConflictError as exc:
+            return ("fatal", type(exc).__name__, str(exc))
+        except Exception as exc:
+            return ("error", f"manifest: {type(exc).__name__}: {exc}", self._resync)
+        if kind == "delta":
+            self._since_anchor += sum(r.size for r in refs)
+        return ("committed", version, kind == "delta" and self._anchor_due(version))
+
+    def _discard(self, refs: tuple[ObjectRef, ...]) -> None:
+        """Delete the shards of a version that will not be committed (best effort; gc sweeps the rest)."""
+        for ref in refs:
+            try:
+                self.store.delete(ref.key)
+            except DeltaSyncError:
+                pass
+
+    def _settle(self, outcome: tuple[Any, ...]) -> None:
+        """Every rank: take a failed outcome to heart the same way."""
+        if outcome[0] == "fatal":
+            self._fatal = ConflictError(outcome[2]) if outcome[1] == "ConflictError" else FingerprintMismatch(outcome[2])
+            raise self._fatal
+        if outcome[0] == "error":
+            if outcome[2]:
+                self._resync = True  # rank 0 could not tell whether its manifest write landed
+            raise StoreError(f"sharded version not committed: {outcome[1]}")
+
+    def _account(
+        self, mine: tuple[Any, ...], outcome: tuple[Any, ...], gathered: list[tuple[Any, ...]],
+        version: int, step: int | None, kind: str, t_diff: float, started: float,
+    ) -> None:
+        """Stats on every rank (its own bytes); the version's report, with totals, on rank 0."""
+        if outcome[0] != "committed":
+            return
+        own = sum(r["size"] for r in mine[1])
+        if not self.is_writer:
+            self.stats.published += 1
+            self.stats.bytes += own
+            return
+        refs = tuple(ObjectRef.from_json(r) for g in gathered for r in g[1])
+        t_encode = max(g[3] for g in gathered)
+        t_upload = max(g[4] for g in gathered)
+        self._report(version, step, kind, sum(g[2] for g in gathered), refs, t_diff, t_encode, t_upload, started)
+
+    def _anchor(self, version: int, step: int | None) -> None:
+        """Every rank: add an anchor to a committed version (rank 0 decided it is due)."""
+        assert self._snapshot is not None
+        t0 = time.perf_counter()
+        mine = self._upload_shard(version, None, self._snapshot)
+        gathered = self._gather(mine)
+        outcome: tuple[Any, ...] = ("ok",)
+        if self.is_writer:
+            refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
+            errors = [g[1] for g in gathered if g[0] != "ok"]
+            if errors:
+                self._discard(refs)
+                outcome = ("error", "; ".join(errors), False)
+            else:
+                try:
+                    self._attach_anchor(version, refs)
+                    numel = sum(s.numel for s in self.layout.specs)
+                    t_encode = max(g[3] for g in gathered)
+                    self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
+                except ConflictError as exc:
+                    outcome = ("fatal", type(exc).__name__, str(exc))
+                except Exception as exc:
+                    outcome = ("error", f"anchor manifest: {type(exc).__name__}: {exc}", self._resync)
+        outcome = self._broadcast(outcome)
+        if outcome[0] == "ok":
+            self._anchor_version, self._since_anchor = version, 0
+        self._settle(outcome)

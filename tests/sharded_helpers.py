@@ -1,0 +1,102 @@
+"""What the trainer ranks of the sharded-publishing tests run (importable by spawned children).
+
+Each rank joins a gloo process group, builds the same small model, shards it
+with FSDP2 (``fully_shard``) or wraps it in DistributedDataParallel, trains a
+few AdamW steps on its own batches and publishes every step with
+:class:`~deltasync.sharded.ShardedPublisher`. After each publish every rank
+takes part in materialising the full weights (``full_tensor()``, a collective)
+so rank 0 can record what the version must hold: the reference the replicas
+are compared with, bit for bit. The reference is for the test only; the
+publisher itself never gathers the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.mp_helpers import digest, make_model
+
+LR = 1e-3  # large enough that a 10k-parameter model changes visibly every step
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (a collective for DTensors), names without DDP's prefix."""
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name.removeprefix("module.")] = tensor.detach().clone()
+    return out
+
+
+def rank_main(rank: int, world: int, init: str, mode: str, steps: int, url: str, options: dict[str, Any], out: str) -> None:
+    """One trainer rank; rank 0 writes ``result.json`` (digests per version) and ``final.pt``."""
+    import torch.distributed as dist
+
+    from deltasync.sharded import ShardedPublisher
+
+    from deltasync.errors import StoreError
+    from deltasync.stores import open_store
+
+    torch.set_num_threads(1)
+    options = dict(options)
+    fail = options.pop("fail", None)  # {"rank": r, "prefix": p}: that rank's next put under p fails
+    store: Any = url
+    if fail is not None and fail["rank"] == rank:
+        from tests.faults import FaultyStore
+
+        store = FaultyStore(open_store(url, **options))
+        store.inject("put", fail["prefix"])
+        options = {}
+    failures = 0
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = make_model(seed=0)
+        if mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            published: Any = model
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            published = model.module
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        digests: dict[int, str] = {}
+        with ShardedPublisher(published, store, **options) as publisher:
+            for step in range(steps + 1):
+                if step:
+                    g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+                    x = torch.randn(8, 48, generator=g)
+                    loss = (model(x) - x).pow(2).mean()
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                before = publisher.version
+                publisher.publish(step, block=True)  # block: one version per step, so digests map to versions
+                try:
+                    publisher.flush()
+                except StoreError:
+                    failures += 1  # every rank sees the failed version; the next one covers it
+                state = full_state(model)
+                if rank == 0 and publisher.version != before:
+                    digests[publisher.version] = digest(state.items())  # type: ignore[index]
+            stats = {"published": publisher.stats.published, "bytes": publisher.stats.bytes, "failures": failures}
+        state = full_state(model)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, stats)
+        if rank == 0:
+            torch.save({k: v.to(torch.bfloat16) for k, v in state.items()}, os.path.join(out, "final.pt"))
+            Path(out, "result.json").write_text(json.dumps({"digests": digests, "ranks": gathered}))
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()

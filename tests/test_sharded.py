@@ -1,0 +1,134 @@
+"""Sharded publishing: FSDP2 and data-parallel ranks each upload their own shard, replicas end exact.
+
+Real torch.distributed (gloo on CPU), 2 and 4 trainer processes, the loopback
+S3 server. A replica follows while the ranks train (every state it ever holds
+must be a published version: no partial versions), a second joins at the end
+from the anchor; both must equal the full bf16 weights the ranks materialise
+for reference, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from deltasync.appliers import TorchModuleApplier
+from deltasync.format import read_header
+from deltasync.manifest import Manifest
+from deltasync.sharded import chunk_rows, shard_layout
+from deltasync.stores import open_store
+from deltasync.subscriber import Subscriber, UpdateInfo
+from tests.mp_helpers import make_model, model_digest
+from tests.sharded_helpers import rank_main
+
+STEPS = 3
+
+
+def _run_ranks(world: int, mode: str, url: str, options: dict[str, Any], tmp_path: Path, **publisher: Any) -> dict[str, Any]:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(
+        rank_main, args=(world, init, mode, STEPS, url, {**options, **publisher}, str(tmp_path)),
+        nprocs=world, start_method="spawn", join=True,
+    )
+    errors = sorted(tmp_path.glob("error-*.txt"))
+    assert not errors, errors[0].read_text()
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "world"), [("fsdp", 2), ("fsdp", 4), ("ddp", 2)])
+def test_ranks_publish_shards_and_replicas_end_exact(mode: str, world: int, servers: Any, tmp_path: Path) -> None:
+    s3 = servers["get"]("s3")
+    url, options = s3.store_url(f"sharded-{uuid.uuid4().hex[:8]}"), s3.store_options()
+    follower = make_model(seed=1).to(torch.bfloat16)  # other weights: only the anchor can make it right
+    held: list[str] = []
+    stop = threading.Event()
+
+    def record(info: UpdateInfo) -> None:
+        held.append(model_digest(follower))
+
+    sub = Subscriber(open_store(url, **options), TorchModuleApplier(follower), poll_interval=0.01,
+                     max_poll_interval=0.05, on_update=record)
+    thread = threading.Thread(target=sub.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        result = _run_ranks(world, mode, url, options, tmp_path)
+        latest = max(int(v) for v in result["digests"])
+        assert sub.wait_for(latest, timeout=60)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        sub.close()
+
+    final = torch.load(tmp_path / "final.pt")
+    published = set(result["digests"].values())
+    assert held and set(held) <= published  # never a partial version
+    assert model_digest(follower) == result["digests"][str(latest)]
+    for name, param in follower.named_parameters():
+        assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
+
+    late = make_model(seed=2).to(torch.bfloat16)
+    info = Subscriber(open_store(url, **options), TorchModuleApplier(late)).update()
+    assert info is not None and info.version == latest and info.route[0] == "anchor"
+    assert model_digest(late) == result["digests"][str(latest)]
+
+    # The manifest lists one object per rank; each carries only that rank's rows.
+    store = open_store(url, **options)
+    manifest = Manifest.from_bytes(store.get("manifest.json"))
+    anchors = [e for e in manifest.versions if e.anchor]
+    assert anchors and all(sorted({r.rank for r in e.anchor}) == list(range(world)) for e in anchors)
+    for entry in manifest.versions:
+        assert {r.rank for r in entry.objects()} <= set(range(world))
+    numel = manifest.numel
+    for ref in manifest.entry(latest).delta:  # type: ignore[union-attr]
+        header = read_header(store.get(ref.key))
+        assert sum(e.local_spec.numel for e in header.tensors.values()) < numel
+        assert all(e.rows is not None for e in header.tensors.values() if e.spec.shape)
+    assert all(r["bytes"] > 0 for r in result["ranks"])  # every rank uploaded its own part
+    store.close()
+
+
+@pytest.mark.slow
+def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(servers: Any, tmp_path: Path) -> None:
+    s3 = servers["get"]("s3")
+    url, options = s3.store_url(f"sharded-{uuid.uuid4().hex[:8]}"), s3.store_options()
+    result = _run_ranks(2, "ddp", url, options, tmp_path, fail={"rank": 1, "prefix": "deltas/0000000002"})
+    assert [r["failures"] for r in result["ranks"]] == [1, 1]
+    assert sorted(int(v) for v in result["digests"]) == list(range(STEPS))  # one step folded into the next
+    store = open_store(url, **options)
+    manifest = Manifest.from_bytes(store.get("manifest.json"))
+    named = {r.key for e in manifest.versions for r in e.objects()} | {k for k, _ in manifest.retired}
+    stored = {i.key for i in store.list("deltas/")} | {i.key for i in store.list("anchors/")}
+    assert named <= stored and stored == named  # the failed version's other shard was removed
+    replica = make_model(seed=3).to(torch.bfloat16)
+    assert Subscriber(store, TorchModuleApplier(replica)).update() is not None
+    final = torch.load(tmp_path / "final.pt")
+    for name, param in replica.named_parameters():
+        assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
+
+
+def test_chunk_rows_matches_torch_chunk() -> None:
+    for n in range(0, 12):
+        for parts in (1, 2, 3, 4, 5):
+            chunks = torch.arange(n).chunk(parts) if n else ()
+            for index in range(parts):
+                start, stop = chunk_rows(n, parts, index)
+                expected = chunks[index].tolist() if index < len(chunks) else []
+                assert list(range(start, stop)) == expected
+
+
+def test_layout_of_a_data_parallel_rank_splits_rows_and_keeps_full_specs() -> None:
+    model = make_model()
+    layouts = [shard_layout(model, rank=r, world=3)[0] for r in range(3)]
+    assert all(layout.specs == layouts[0].specs for layout in layouts)
+    for name, param in model.named_parameters():
+        covered = sorted(layout.rows[name] for layout in layouts if name in layout.rows)
+        assert covered[0][0] == 0 and covered[-1][1] == param.shape[0]
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
