@@ -100,3 +100,46 @@ def rank_main(rank: int, world: int, init: str, mode: str, steps: int, url: str,
         raise
     finally:
         dist.destroy_process_group()
+
+
+def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: str) -> None:
+    """One FSDP2 rank driving DeltaSyncCallback's Trainer hooks as a Trainer would, in lockstep."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from deltasync.integrations import DeltaSyncCallback
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = make_model(seed=0)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
+        state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
+        callback.on_train_begin(None, state, None, model=model)
+        logs: dict[str, float] = {}
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(8, 48, generator=g)
+            (model(x) - x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state.global_step = step
+            callback.on_step_end(None, state, None)
+            callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
+            callback.on_log(None, state, None, logs=logs)
+        callback.on_train_end(None, state, None)
+        state_dict = full_state(model)
+        if rank == 0:
+            torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
+            Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -26,7 +26,7 @@ from deltasync.sharded import chunk_rows, shard_layout
 from deltasync.stores import open_store
 from deltasync.subscriber import Subscriber, UpdateInfo
 from tests.mp_helpers import make_model, model_digest
-from tests.sharded_helpers import rank_main
+from tests.sharded_helpers import callback_main, rank_main
 
 STEPS = 3
 
@@ -112,6 +112,37 @@ def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(s
     final = torch.load(tmp_path / "final.pt")
     for name, param in replica.named_parameters():
         assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
+
+
+@pytest.mark.slow
+def test_trainer_callback_on_fsdp2_ranks_publishes_shards_and_waits_on_policy(tmp_path: Path) -> None:
+    """DeltaSyncCallback's hooks on 2 FSDP2 ranks: shards from both, rank 0 waits for the replica."""
+    url = str(tmp_path / "store")
+    replica = make_model(seed=1).to(torch.bfloat16)
+    stop = threading.Event()
+    sub = Subscriber(url, TorchModuleApplier(replica), replica_id="replica-0", poll_interval=0.01, max_poll_interval=0.05)
+    thread = threading.Thread(target=sub.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        mp.start_processes(
+            callback_main, args=(2, f"file://{tmp_path / 'rendezvous'}", STEPS, url, str(tmp_path)),
+            nprocs=2, start_method="spawn", join=True,
+        )
+        errors = sorted(tmp_path.glob("error-*.txt"))
+        assert not errors, errors[0].read_text()
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert sub.wait_for(result["version"], timeout=60)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        sub.close()
+    assert result["version"] == STEPS  # the anchor, then one version per step
+    assert result["logs"]["deltasync/bytes"] > 0 and "deltasync/sparsity" in result["logs"]
+    final = torch.load(tmp_path / "final.pt")
+    for name, param in replica.named_parameters():
+        assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
+    manifest = Manifest.from_bytes(open_store(url).get("manifest.json"))
+    assert all({r.rank for r in e.objects()} == {0, 1} for e in manifest.versions)
 
 
 def test_chunk_rows_matches_torch_chunk() -> None:

@@ -36,14 +36,19 @@ reporting integrations first.
 
 Limitations (stated, not hidden):
 
-- Tested: one process on CPU (a transformers ``Trainer`` and TRL's
-  ``GRPOTrainer``). Under accelerate / DDP only the world's main process
-  publishes and waits; the other ranks skip (checked by simulating a non-main
-  state, not in a real multi-process run).
-- Sharded models (FSDP1, FSDP2 / DTensor, DeepSpeed ZeRO-3) are refused at
-  ``on_train_begin`` with ``NotImplementedError``: the publisher needs each
-  full bf16 tensor, which takes a gather in which every rank takes part. That
-  gather (or a per-shard publisher) is future work.
+Distributed training:
+
+- Under accelerate / DDP only the world's main process publishes and waits;
+  the other ranks skip.
+- FSDP2 (DTensor parameters): every rank publishes its own shard of each
+  version through :class:`~deltasync.sharded.ShardedPublisher`, with no gather
+  of the full model; rank 0 commits the manifest and waits for replicas. The
+  hooks run on every rank in lockstep, as the publisher's collectives need.
+  Tested with real FSDP2 on 2 gloo ranks driving these hooks; a full
+  ``accelerate launch`` of a Trainer with FSDP2 has not been run here (CPU only).
+- FSDP1 (flat parameters) and DeepSpeed ZeRO-3 are refused at
+  ``on_train_begin`` with ``NotImplementedError`` naming the way out (FSDP2),
+  and so are PEFT models (replicas would need merged weights).
 """
 
 from __future__ import annotations
@@ -165,10 +170,14 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self._state = state
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
-        _refuse_sharded(model)
-        if not state.is_world_process_zero:
+        if _is_fsdp2(model):  # every rank publishes its shard (collectives: all ranks take part)
+            if self.publisher is None:
+                from ..sharded import ShardedPublisher
+
+                self.publisher = ShardedPublisher(model, self.store, on_publish=self._collect, **self.publisher_options)
+        elif not state.is_world_process_zero:
             return  # one writer per run prefix: the world's main process
-        if self.publisher is None:
+        elif self.publisher is None:
             self.publisher = Publisher(model, self.store, on_publish=self._collect, **self.publisher_options)
         self._publish(state.global_step)  # the anchor every replica can start from
 
@@ -222,6 +231,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
                 self.publisher.publish(step, block=True)
                 self._published_step = step
             self.publisher.flush()  # commits a coalesced publish too: the newest weights are a version now
+            if not self._state.is_world_process_zero:
+                return None  # a sharded rank: its shard is in; the main process waits for replicas
             target = self.publisher.version
         elif self.max_staleness is None:
             return self.publisher.version
@@ -355,27 +366,29 @@ def _server_version(url: str) -> int | None:
         return None  # "default": nothing applied yet
 
 
-def _refuse_sharded(model: Any) -> None:
-    """Refuse FSDP / ZeRO-3 models (publishing needs a gather on every rank) and PEFT (needs a merge)."""
+def _is_fsdp2(model: Any) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2); refuse what cannot be published."""
     if hasattr(model, "peft_config"):
         raise NotImplementedError(
             "DeltaSyncCallback does not merge PEFT adapters: replicas would receive adapter tensors their "
             "checkpoint does not have. Merge first, or publish merged weights from your own loop."
         )
+    dtensor = False
     for name, param in model.named_parameters():
         kind = None
         if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
-            kind = "FSDP2 (DTensor parameters)"
+            dtensor = True
         elif hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
             kind = "DeepSpeed ZeRO-3"
         elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
             kind = "FSDP1"
         if kind is not None:
             raise NotImplementedError(
-                f"DeltaSyncCallback does not support sharded models yet ({kind}, parameter {name!r}): publishing "
-                "needs every full tensor, which takes a gather on all ranks. Use DDP or a single process, or "
-                "publish from your own loop after gathering the full state dict (Publisher(state_dict, store))."
+                f"DeltaSyncCallback does not support {kind} (parameter {name!r}): its flattened or partitioned "
+                "parameters hide the rows each rank holds. Use FSDP2 (fully_shard; each rank then publishes its "
+                "own shard), DDP, or publish a gathered state dict from your own loop (Publisher(state_dict, store))."
             )
+    return dtensor
 
 
 def __getattr__(name: str) -> Any:
