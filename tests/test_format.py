@@ -228,3 +228,73 @@ def test_fuzzed_files_raise_only_typed_errors(data: st.DataObject) -> None:
         TorchModuleApplier(base).validate(header)
     except DeltaSyncError:
         pass
+
+
+# ---------------------------------------------------------------------- shards (one file per trainer rank)
+
+
+def _shards(world: int, codec: str = "compact") -> tuple[list[bytes], list[bytes], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Anchor and delta shards of the golden weights, cut into ``world`` row chunks as ranks would."""
+    from deltasync.sharded import chunk_rows
+    from deltasync.tensors import TensorSpec
+
+    base, target = golden_weights()
+    specs = tuple(TensorSpec.of(n, t) for n, t in base.items())
+    anchors, deltas = [], []
+    for rank in range(world):
+        rows = {n: chunk_rows(t.shape[0], world, rank) for n, t in base.items()}
+        rows = {n: r for n, r in rows.items() if r[1] > r[0]}
+        mine = {n: base[n][a:b] for n, (a, b) in rows.items()}
+        later = {n: target[n][a:b] for n, (a, b) in rows.items()}
+        anchors.append(encode_anchor(mine, version=1, model=specs, rows=rows))
+        changes = diff(Snapshot.capture(mine), later)
+        if changes.nnz:
+            deltas.append(encode_delta(changes, version=2, base_version=1, codec=codec, model=specs, rows=rows))
+    return anchors, deltas, base, target
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("codec", ["compact", "raw"])
+def test_shards_join_into_exact_weights(world: int, codec: str) -> None:
+    from deltasync.format import combine
+
+    anchors, deltas, base, target = _shards(world, codec)
+    replica = {n: torch.zeros_like(t) for n, t in base.items()}
+    applier = TorchModuleApplier(replica)
+    for files, whole in ((anchors, True), (deltas, False)):
+        headers = [read_header(f) for f in files]
+        for header in headers:
+            applier.validate(header)  # full shapes and the full model's fingerprint in every shard
+        applier.apply(combine([decode(f, base=applier.lookup) for f in files], whole=whole))
+    for name in target:
+        assert torch.equal(replica[name].view(torch.int16), target[name].view(torch.int16))
+
+
+def test_overlapping_shards_and_anchor_gaps_are_refused() -> None:
+    from deltasync.format import combine
+
+    anchors, deltas, _, _ = _shards(2, "raw")
+    with pytest.raises(DeltaFormatError, match="same elements"):
+        combine([decode(anchors[0]), decode(anchors[0])], whole=True)
+    with pytest.raises(DeltaFormatError, match="leaves elements"):
+        combine([decode(anchors[1])], whole=True)
+    with pytest.raises(DeltaFormatError, match="same elements"):
+        combine([decode(deltas[0]), decode(deltas[0])], whole=False)
+
+
+@pytest.mark.parametrize("rows", [[5, 3], [0, 13], [-1, 2], [0], "0:3", [True, 2], [0, 2.5]])
+def test_bad_rows_are_refused(rows: object) -> None:
+    anchors, _, _, _ = _shards(2)
+    bad = rebuild(anchors[0], edit_entry("embed.weight", rows=rows))
+    with pytest.raises(DeltaFormatError, match="bad rows"):
+        read_header(bad)
+
+
+def test_a_shard_whose_slice_does_not_match_its_rows_is_refused() -> None:
+    anchors, _, _, _ = _shards(2)
+    fewer = rebuild(anchors[0], edit_entry("embed.weight", rows=[0, 5]))  # the file holds 6 rows
+    with pytest.raises(DeltaFormatError, match="nnz"):
+        decode(fewer)
+    more = rebuild(anchors[0], edit_entry("embed.weight", rows=[0, 7]))
+    with pytest.raises(CodecError, match="expected"):
+        decode(more)
