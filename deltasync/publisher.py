@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -51,6 +52,7 @@ from .errors import (
 from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
 from .manifest import (
     MANIFEST_KEY,
+    RETIRE_GRACE_S,
     Manifest,
     ObjectRef,
     VersionEntry,
@@ -73,6 +75,10 @@ KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch
 PART_BYTES = 256 << 20  # anchor part size: large enough for throughput, small enough to pipeline
 LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
 MAX_ERRORS_KEPT = 20  # recent failure messages kept in stats during an outage
+# The first publish waits this long for the prefix to be opened in the background, so a
+# second trainer or another model's prefix is refused at once, while a store that is down
+# at start-up costs training at most this much (the worker keeps trying).
+OPEN_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,8 @@ class Publisher:
         anchor_every (`int`, *optional*): anchor at least every this many versions.
         anchor_ratio (`float`, *optional*): anchor when deltas since the last anchor exceed this fraction of it.
         keep_anchors (`int`, *optional*): anchors (and the versions after them) kept by retention.
+        retire_grace_s (`float`, *optional*, defaults to 300): how long objects dropped by retention stay
+            in the store, so replicas that read an older manifest finish their downloads.
         takeover (`bool`, *optional*): take the prefix over even if another writer's lease is live.
         store_options: passed to :func:`open_store` when ``store`` is a URL.
 
@@ -154,18 +162,19 @@ class Publisher:
         keep_anchors: int = KEEP_ANCHORS,
         part_bytes: int = PART_BYTES,
         lease_s: float = LEASE_S,
+        retire_grace_s: float = RETIRE_GRACE_S,
         takeover: bool = False,
         chunk: int = DEFAULT_CHUNK,
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:
-        if anchor_every < 1 or anchor_ratio <= 0 or keep_anchors < 1 or part_bytes < 1:
-            raise ValueError("anchor_every, anchor_ratio, keep_anchors and part_bytes must be positive")
+        if anchor_every < 1 or anchor_ratio <= 0 or keep_anchors < 1 or part_bytes < 1 or retire_grace_s < 0:
+            raise ValueError("anchor_every, anchor_ratio, keep_anchors, part_bytes and retire_grace_s must be positive")
         self.model = model
         self.store = open_store(store, **store_options)
         self.codec, self.level, self.dtype, self.chunk = codec, level, dtype, chunk
         self.anchor_every, self.anchor_ratio, self.keep_anchors = anchor_every, anchor_ratio, keep_anchors
-        self.part_bytes, self.lease_s = part_bytes, lease_s
+        self.part_bytes, self.lease_s, self.retire_grace_s = part_bytes, lease_s, retire_grace_s
         self.on_publish = on_publish
         self.writer = uuid.uuid4().hex
         self.stats = PublisherStats()
@@ -185,6 +194,7 @@ class Publisher:
         self._anchor_version = 0
         self._since_anchor = 0
         self._closed = False
+        self._opened = threading.Event()  # set by the worker once the first open has finished
         # Set by ShardedPublisher: this rank's slice of a larger model.
         self._specs: tuple[TensorSpec, ...] | None = None  # the full model, when sharded
         self._rows: dict[str, tuple[int, int]] | None = None  # dim-0 rows this rank carries
@@ -228,8 +238,8 @@ class Publisher:
         started = time.perf_counter()
         if self._resync:  # the store's state is uncertain: re-read it and re-anchor
             self._snapshot, self._resync = None, False
-        if self._snapshot is None:
-            self._open()
+        first = self._snapshot is None
+        if first:
             snapshot = Snapshot.capture(self.model, dtype=self.dtype)
             t_diff = time.perf_counter() - started
             job = lambda: self._commit_first_anchor(snapshot, step, started, t_diff)  # noqa: E731
@@ -243,6 +253,11 @@ class Publisher:
         coalesced, self.stats.coalesced = self.stats.coalesced, 0
         self._dirty, self._pending_step = False, None
         self._inflight = self._pool.submit(self._guard, job, coalesced)
+        if first:
+            # Ownership and model errors surface here in the common case; a slow store costs at most this.
+            self._opened.wait(OPEN_WAIT_S)
+            if self._fatal is not None:
+                raise self._fatal
         return True
 
     def flush(self, timeout: float | None = None) -> None:
@@ -252,6 +267,8 @@ class Publisher:
         if self._dirty and self._fatal is None:
             self.publish(self._pending_step, block=True)
             self._inflight.result(timeout=timeout)
+        if self._fatal is not None:
+            raise self._fatal
         self._raise_worker_error()
 
     def close(self) -> None:
@@ -323,7 +340,7 @@ class Publisher:
     def _write_manifest(self, manifest: Manifest, *, lease_s: float | None = None) -> None:
         now = time.time()
         retained = plan_retention(manifest, keep_anchors=self.keep_anchors, now=now)
-        due, retained = deletable(retained, now=now)
+        due, retained = deletable(retained, now=now, grace=self.retire_grace_s)
         lease = self.lease_s if lease_s is None else lease_s
         retained = replace_manifest(retained, updated=now, lease_until=now + lease)
         for _ in range(3):
@@ -425,7 +442,7 @@ class Publisher:
         self._coalesced_now = coalesced
         try:
             job()
-        except ConflictError as exc:
+        except (ConflictError, FingerprintMismatch) as exc:  # this prefix is not ours to write
             self._fatal = exc
             self.stats.failed += 1
             logger.error("%s", exc)
@@ -457,6 +474,13 @@ class Publisher:
         )
 
     def _commit_first_anchor(self, snapshot: Snapshot, step: int | None, started: float, t_diff: float) -> None:
+        try:
+            self._open()  # in the worker: a store that is down at start-up does not hold training
+        except (ConflictError, FingerprintMismatch) as exc:
+            self._fatal = exc  # before the waiting publish() wakes up
+            raise
+        finally:
+            self._opened.set()
         assert self._manifest is not None
         version = 0 if self._manifest.latest is None else self._manifest.latest + 1
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -60,6 +61,12 @@ POLL_INTERVAL_S = 1.0  # first poll interval after a change
 MAX_POLL_INTERVAL_S = 15.0  # idle backoff cap: a change is seen within 15 s at worst
 FETCH_WORKERS = 4  # parallel downloads
 BAD_AFTER = 3  # hash/size failures of one object before routes avoid it
+# Routes avoid an object that failed BAD_AFTER transfers for this long, then try it again
+# (a flaky link heals; an object that fails validation is avoided for good).
+BAD_RETRY_S = 120.0
+# ``deltasync gc`` deletes acks not rewritten for this long (replicas that are gone); a live
+# replica rewrites its ack on every update.
+ACK_TTL_S = 7 * 86400.0
 
 
 class Applier(Protocol):
@@ -160,7 +167,7 @@ class Subscriber:
         self._run_id: str | None = run_id
         self._etag: str | None = None
         self._manifest: Manifest | None = None
-        self._bad: set[str] = set()
+        self._bad: dict[str, float] = {}  # key -> monotonic time until which routes avoid it
         self._failures: Counter[str] = Counter()
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -286,7 +293,8 @@ class Subscriber:
                     current=current,
                     latest=manifest.latest,
                 )
-            plan = plan_route(manifest, current, avoid=self._bad)
+            now = time.monotonic()
+            plan = plan_route(manifest, current, avoid={k for k, until in self._bad.items() if until > now})
             if plan is None:
                 raise VersionError(
                     f"no usable route from version {current} to {manifest.latest} in {self.store.url}",
@@ -332,7 +340,8 @@ class Subscriber:
             # A truncated transfer may succeed next time; a third failure marks the object bad.
             self._failures[ref.key] += 1
             if self._failures[ref.key] >= BAD_AFTER:
-                self._bad.add(ref.key)
+                self._failures[ref.key] = 0
+                self._bad[ref.key] = time.monotonic() + BAD_RETRY_S
             raise IntegrityError(
                 f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
                 f"({ref.size} bytes); object refused",
@@ -401,25 +410,30 @@ class Subscriber:
                         key=ref.key,
                     )
             except DeltaSyncError:
-                self._bad.add(ref.key)
+                self._refuse(ref.key)
                 raise
         if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
-            self._bad.update(r.key for r in step.objects)
+            self._refuse(*(r.key for r in step.objects))
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
         parts = []
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
                 parts.append(decode(blob, base=self.applier.lookup, header=header))
             except DeltaSyncError:
-                self._bad.add(ref.key)
+                self._refuse(ref.key)
                 raise
         try:
             # One file per tensor, or a trainer's shards: each element carried at most once,
             # and an anchor carries all of them.
             return combine(parts, whole=step.kind == "anchor")
         except DeltaSyncError:
-            self._bad.update(r.key for r in step.objects)
+            self._refuse(*(r.key for r in step.objects))
             raise
+
+    def _refuse(self, *keys: str) -> None:
+        """Avoid these objects in every later route: their content failed validation."""
+        for key in keys:
+            self._bad[key] = math.inf
 
     def _set_version(self, run_id: str | None, version: int | None) -> None:
         with self._changed:

@@ -38,9 +38,8 @@ def rank_main(rank: int, world: int, init: str, mode: str, steps: int, url: str,
     """One trainer rank; rank 0 writes ``result.json`` (digests per version) and ``final.pt``."""
     import torch.distributed as dist
 
-    from deltasync.sharded import ShardedPublisher
-
     from deltasync.errors import StoreError
+    from deltasync.sharded import ShardedPublisher
     from deltasync.stores import open_store
 
     torch.set_num_threads(1)

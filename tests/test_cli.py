@@ -426,3 +426,19 @@ class TestGc:
     def test_missing_manifest(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["gc", str(tmp_path / "nowhere")]) == 2
         assert "no manifest.json" in capsys.readouterr().err
+
+    def test_acks_of_gone_replicas_and_other_runs_are_removed(self, trainer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(1))
+        run_id = Manifest.from_bytes((Path(url) / MANIFEST_KEY).read_bytes()).run_id
+        acks = Path(url) / "acks"
+        acks.mkdir(exist_ok=True)
+        now = time.time()
+        (acks / "alive.json").write_text(json.dumps({"replica": "alive", "version": 0, "run_id": run_id, "time": now}))
+        (acks / "gone.json").write_text(json.dumps({"replica": "gone", "version": 0, "run_id": run_id, "time": now - 90}))
+        (acks / "old-run.json").write_text(json.dumps({"replica": "o", "version": 9, "run_id": "another", "time": now}))
+        (acks / "garbage.json").write_text("{not json")
+        assert main(["gc", url, "--ack-ttl", "60"]) == 0
+        out = capsys.readouterr().out
+        assert sorted(p.name for p in acks.iterdir()) == ["alive.json"]
+        assert "deleted ack      acks/gone.json" in out and "acks/old-run.json" in out

@@ -3,8 +3,9 @@
 Retired objects are dropped from the manifest by a compare-and-swap write first, then deleted; on a
 store without compare-and-swap, or while a writer's lease is live, they are left to the publisher.
 Orphans (objects under ``deltas/`` and ``anchors/`` that no manifest names) are deleted once older
-than the grace period, which never drops below the publisher's while a lease is live. ``--dry-run``
-lists what would go and deletes nothing.
+than the grace period, which never drops below the publisher's while a lease is live. Replica acks
+(``acks/<replica>.json``) are deleted when they belong to another run or were last written longer
+ago than ``--ack-ttl`` (replicas that are gone). ``--dry-run`` lists what would go and deletes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..manifest import (
     referenced_keys,
     replace_manifest,
 )
+from ..subscriber import ACK_TTL_S
 from ._common import _duration, _load_manifest, _open, _size, safe_url
 
 if TYPE_CHECKING:
@@ -86,6 +88,26 @@ def _gc_orphans(
     return [(key, candidates[key].size if key in candidates else None) for key in removed]
 
 
+def _gc_acks(store: Store, manifest: Manifest, *, now: float, ttl: float, dry_run: bool) -> list[tuple[str, int | None]]:
+    """Acks of other runs, unreadable acks, and acks not rewritten for ``ttl`` seconds."""
+    import json
+
+    stale = []
+    for info in store.list("acks/"):
+        try:
+            ack = json.loads(store.get(info.key))
+            written = float(ack.get("time", 0.0))
+            run_id = ack.get("run_id")
+        except (ObjectNotFound, ValueError, TypeError, AttributeError, RecursionError):
+            ack, written, run_id = None, 0.0, None
+        if ack is None or run_id != manifest.run_id or now - written >= ttl:
+            stale.append((info.key, info.size))
+    if not dry_run:
+        for key, _ in stale:
+            store.delete(key)
+    return stale
+
+
 def add_parser(sub: Any) -> None:
     """Register ``gc`` on the ``deltasync`` subcommands."""
     gc = sub.add_parser("gc", help="delete retired objects past their grace period and orphans of crashed publishes")
@@ -94,6 +116,10 @@ def add_parser(sub: Any) -> None:
     gc.add_argument(
         "--grace", type=float, default=None, metavar="SECONDS",
         help="minimum age of what is deleted (default: 300 s for retired objects, 3600 s for orphans)",
+    )
+    gc.add_argument(
+        "--ack-ttl", type=float, default=ACK_TTL_S, metavar="SECONDS",
+        help="delete replica acks not rewritten for this long, and acks of other runs (default: 7 days)",
     )
     gc.set_defaults(func=run)
 
@@ -114,14 +140,15 @@ def run(args: argparse.Namespace) -> int:
             orphan_grace = ORPHAN_GRACE_S
         retired, note = _gc_retired(store, manifest, etag, now=now, grace=retire_grace, dry_run=args.dry_run)
         orphans = _gc_orphans(store, manifest, now=now, grace=orphan_grace, dry_run=args.dry_run)
+        acks = _gc_acks(store, manifest, now=now, ttl=args.ack_ttl, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"gc {safe_url(store.url)}{' (dry run)' if args.dry_run else ''}")
-    for label, removed in (("retired", retired), ("orphan", orphans)):
+    for label, removed in (("retired", retired), ("orphan", orphans), ("ack", acks)):
         for key, size in removed:
             print(f"  {verb} {label:<8} {key}  {_size(size)}")
     for line in ([note] if note else []) + notes:
         print(f"  note: {line}")
-    total = sum(size or 0 for _, size in retired + orphans)
-    count = len(retired) + len(orphans)
+    total = sum(size or 0 for _, size in retired + orphans + acks)
+    count = len(retired) + len(orphans) + len(acks)
     print(f"{'would free' if args.dry_run else 'freed'} {_size(total)} ({total:,} bytes) in {count} objects")
     return 0
