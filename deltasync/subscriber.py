@@ -187,6 +187,11 @@ class Subscriber:
         return self._run_id
 
     @property
+    def following(self) -> str | None:
+        """The run id of the manifest this subscriber follows now (known before its first update)."""
+        return self._manifest.run_id if self._manifest is not None else None
+
+    @property
     def latest(self) -> int | None:
         """The newest version seen in the manifest."""
         return self._manifest.latest if self._manifest else None

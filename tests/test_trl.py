@@ -320,3 +320,14 @@ class TestGRPOServerMode:
         reader = VLLMFollower(url, model=model_dir)
         assert reader.engine_version() == final
         assert_engine_exact(reader, {n: p.detach().to(torch.bfloat16) for n, p in trainer.model.named_parameters()})
+
+
+def test_server_version_labels_are_tied_to_the_run() -> None:
+    from deltasync.appliers.vllm_follower import parse_version_label, version_label
+
+    run = "3f1d2c4b5a6e7788"
+    assert version_label(7, run) == "7@3f1d2c4b5a6e" and version_label(7, None) == "7"
+    assert parse_version_label(version_label(7, run), run) == 7
+    assert parse_version_label(version_label(7, "another-run-0000"), run) is None
+    assert parse_version_label("7", run) == 7  # a label without a run id is taken as it is
+    assert parse_version_label("default", run) is None and parse_version_label(None, run) is None

@@ -85,7 +85,8 @@ class TestPlainWeights:
         from vllm import SamplingParams
 
         out = llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
-        assert [s.version for s in out[0].outputs[0].weight_versions] == [str(pub.version)]
+        labels = [s.version for s in out[0].outputs[0].weight_versions]
+        assert labels == [f"{pub.version}@{sub.run_id[:12]}"]  # the version, tied to the run
 
     def test_bad_deltas_refused_and_outputs_unchanged(self, plain_run, tmp_path: Path) -> None:
         llm, follower, sub, trainer, pub = plain_run

@@ -80,6 +80,7 @@ EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
 RPC_BATCH_BYTES = 64 << 20  # split anchors into RPCs of about this size (JSON bodies over HTTP stay sane)
 HTTP_TIMEOUT_S = 600.0
 TAP_KEEP = 8  # downloaded deltas kept for index prefetch until their version is decoded
+RUN_LABEL_CHARS = 12  # run id characters in the version label: enough to tell runs apart, short in logs
 
 Mode = Literal["inflight", "pause"]
 
@@ -100,6 +101,28 @@ def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat
             for name in f.keys():
                 specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
     return specs
+
+
+def version_label(version: int, run_id: str | None) -> str:
+    """The engine's weight-version label: ``"7@3f1d2c4b5a6e"`` (version @ run id prefix), or ``"7"``.
+
+    The run id part lets a trainer tell a server that follows its run from one
+    that still holds the same version number of an earlier run.
+    """
+    return f"{version}@{run_id[:RUN_LABEL_CHARS]}" if run_id else str(version)
+
+
+def parse_version_label(label: Any, run_id: str | None) -> int | None:
+    """The version in ``label`` if it belongs to ``run_id`` (labels without a run id are accepted)."""
+    if not isinstance(label, str):
+        return None
+    number, _, run = label.partition("@")
+    if run and run_id is not None and not run_id.startswith(run):
+        return None
+    try:
+        return int(number)
+    except ValueError:
+        return None  # "default": nothing applied yet
 
 
 # ---------------------------------------------------------------------- transports
@@ -124,6 +147,9 @@ class _InProcess:
 
     def label(self, version: str) -> None:
         self.llm.llm_engine.set_weight_version(version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class _Server:
@@ -164,6 +190,9 @@ class _Server:
 
     def label(self, version: str) -> None:
         self._post("/update_weight_version", {"new_version": version})
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
 
 
 # ---------------------------------------------------------------------- the applier
@@ -219,6 +248,7 @@ class VLLMFollower:
         """``(version, wall-clock time its apply finished)``, oldest first."""
         self.rpc_calls = 0
         self._pending: int | None = None
+        self._subscriber: Any = None
         self._step: list[Header] = []
         self._bases: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._prefetched = False
@@ -298,8 +328,10 @@ class VLLMFollower:
             for i, batch in enumerate(batches):
                 last = i == len(batches) - 1
                 self._rpc("deltasync_apply", pack(batch, text=self._engine.text), version if last else None)
+            # Cached KV blocks were computed with the old weights: no request may reuse them.
+            self._engine.reset_prefix_cache()
             if version is not None:
-                self._engine.label(str(version))
+                self._engine.label(version_label(version, self._run_id()))
         finally:
             if paused:
                 self._engine.resume()
@@ -327,7 +359,11 @@ class VLLMFollower:
         from ..subscriber import Subscriber
 
         store_options = {k: options.pop(k) for k in list(options) if k not in _SUBSCRIBER_ARGS}
-        return Subscriber(self.tap(open_store(store, **store_options)), self, **options)
+        self._subscriber = Subscriber(self.tap(open_store(store, **store_options)), self, **options)
+        return self._subscriber
+
+    def _run_id(self) -> str | None:
+        return self._subscriber.following if self._subscriber is not None else None
 
     def tap(self, store: Store) -> Store:
         """Wrap ``store`` so the deltas a subscriber downloads are seen here (for batched lookups)."""

@@ -8,9 +8,10 @@ mode syncs weights through a deltasync store instead of NCCL:
   with the inference servers; it still generates through the server's
   OpenAI-compatible ``/v1/completions`` with TRL's own ``VLLMClient``;
 - ``sync_weights`` becomes "publish, then wait if the policy asks"
-  (:meth:`DeltaSyncCallback.sync`), then resets the server's prefix cache as TRL
-  does after its own sync. The server is kept current by the deltasync
-  follower (``python -m deltasync.appliers.vllm_follower``), not by the trainer.
+  (:meth:`DeltaSyncCallback.sync`). The server is kept current by the deltasync
+  follower (``python -m deltasync.appliers.vllm_follower``), not by the trainer;
+  the follower also resets the server's prefix cache after each apply, so every
+  client of the server (not only this trainer) stops reusing stale KV blocks.
 
 Why a subclass and not a function applied to a trainer: ``GRPOTrainer.__init__``
 opens the communicator, so the change must be in place before construction,
@@ -105,8 +106,7 @@ class _DeltaSyncGeneration(_BaseGeneration):  # type: ignore[misc, valid-type]
         if self.mode != "server":
             return super().sync_weights()
         if self.accelerator.is_main_process:  # the other ranks receive the main process's generations
-            self._deltasync.sync()
-            self.vllm_client.reset_prefix_cache()  # cached KV was computed with older weights
+            self._deltasync.sync()  # the follower resets the server's prefix cache after each apply
         return None
 
 

@@ -275,7 +275,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
     def replica_versions(self) -> dict[str, int | None]:
         """Version each watched replica reports now: ``{"server:URL" or replica id: version or None}``."""
         if self.replicas is None and self.min_replicas is None and self.servers:
-            return {f"server:{url}": _server_version(url) for url in self.servers}
+            run_id = self._current_run_id()
+            return {f"server:{url}": _server_version(url, run_id) for url in self.servers}
         assert self.publisher is not None
         run_id = self._current_run_id()
         acks = {
@@ -353,17 +354,16 @@ def _lowest(seen: dict[str, int | None], at_least: int | None) -> int | None:
     return versions[-1]
 
 
-def _server_version(url: str) -> int | None:
-    """The weight-version label of a vLLM server (the follower sets it to the applied version)."""
+def _server_version(url: str, run_id: str | None) -> int | None:
+    """The version a vLLM server holds of run ``run_id``, from the label the follower sets."""
+    from ..appliers.vllm_follower import parse_version_label
+
     try:
         with urllib.request.urlopen(f"{url}/weight_info", timeout=HTTP_TIMEOUT_S) as response:
             label = json.loads(response.read()).get("weight_version")
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return None  # "default": nothing applied yet
+    return parse_version_label(label, run_id)  # None: nothing applied yet, or another run's version
 
 
 def _is_fsdp2(model: Any) -> bool:
