@@ -318,7 +318,9 @@ class ShardedPublisher(Publisher):
         except Exception as exc:
             return ("error", f"rank {self._rank}: {type(exc).__name__}: {exc}")
 
-    def _commit_shards(self, gathered: list[tuple[Any, ...]], version: int, step: int | None, kind: str) -> tuple[Any, ...]:
+    def _commit_shards(
+        self, gathered: list[tuple[Any, ...]], version: int, step: int | None, kind: str
+    ) -> tuple[Any, ...]:
         """Rank 0: write the version's manifest entry if every rank's shard is in the store."""
         refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
         errors = [g[1] for g in gathered if g[0] != "ok"]
@@ -351,7 +353,8 @@ class ShardedPublisher(Publisher):
     def _settle(self, outcome: tuple[Any, ...]) -> None:
         """Every rank: take a failed outcome to heart the same way."""
         if outcome[0] == "fatal":
-            self._fatal = ConflictError(outcome[2]) if outcome[1] == "ConflictError" else FingerprintMismatch(outcome[2])
+            error = ConflictError if outcome[1] == "ConflictError" else FingerprintMismatch
+            self._fatal = error(outcome[2])
             raise self._fatal
         if outcome[0] == "error":
             if outcome[2]:
@@ -393,7 +396,8 @@ class ShardedPublisher(Publisher):
                     self._attach_anchor(version, refs)
                     numel = sum(s.numel for s in self.layout.specs)
                     t_encode = max(g[3] for g in gathered)
-                    self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
+                    t_upload = time.perf_counter() - t0 - t_encode
+                    self._report(version, step, "anchor", numel, refs, 0.0, t_encode, t_upload, t0)
                 except ConflictError as exc:
                     outcome = ("fatal", type(exc).__name__, str(exc))
                 except Exception as exc:

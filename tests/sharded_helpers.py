@@ -34,7 +34,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_main(rank: int, world: int, init: str, mode: str, steps: int, url: str, options: dict[str, Any], out: str) -> None:
+def rank_main(
+    rank: int, world: int, init: str, mode: str, steps: int, url: str, options: dict[str, Any], out: str
+) -> None:
     """One trainer rank; rank 0 writes ``result.json`` (digests per version) and ``final.pt``."""
     import torch.distributed as dist
 
@@ -56,13 +58,18 @@ def rank_main(rank: int, world: int, init: str, mode: str, steps: int, url: str,
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = make_model(seed=0)
-        if mode == "fsdp":
+        if mode in ("fsdp", "hsdp"):
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            # HSDP: shard within groups of world/2 ranks, replicate across the two groups.
+            mesh = None
+            if mode == "hsdp":
+                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             for layer in model:
                 if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             published: Any = model
         else:
             model = torch.nn.parallel.DistributedDataParallel(model)
