@@ -11,6 +11,10 @@ URL                                        backend
 
 Backends register by scheme with a ``"module:Class"`` path and are imported on
 first use, so optional clients load only when their scheme is opened.
+
+Any of them can be read through a cache shared by the processes of a node:
+``open_store(url, cache_dir="/dev/shm/deltasync")`` wraps the store in
+``deltasync.stores.cache.CachedStore`` (see there; ``cache_max_bytes`` sets its cap).
 """
 
 from __future__ import annotations
@@ -48,11 +52,25 @@ def open_store(url: str | Store, **options: Any) -> Store:
 
     Args:
         url (`str`): a path, ``file://``, ``memory://``, ``s3://`` or ``hf://buckets/`` URL.
+        cache_dir (`str`, *optional*): read the manifest's objects through a cache in this directory,
+            shared by the processes that name it (:class:`~deltasync.stores.cache.CachedStore`).
+        cache_max_bytes (`int`, *optional*): the cache's size cap.
         **options: backend options (credentials, endpoint, ...), see each backend.
 
     Raises:
-        `ValueError`: unknown scheme.
+        `ValueError`: unknown scheme, or cache options without ``cache_dir``.
     """
+    cache_dir = options.pop("cache_dir", None)
+    cache_max_bytes = options.pop("cache_max_bytes", None)
+    if cache_max_bytes is not None and cache_dir is None:
+        raise ValueError("cache_max_bytes needs cache_dir (the directory to cache in)")
+    if cache_dir is not None:
+        from .cache import DEFAULT_MAX_BYTES, CachedStore
+
+        inner = open_store(url, **options)
+        if isinstance(inner, CachedStore):
+            return inner
+        return CachedStore(inner, cache_dir, max_bytes=cache_max_bytes or DEFAULT_MAX_BYTES)
     if isinstance(url, Store):
         return url
     scheme = url.split("://", 1)[0] if "://" in url else "file"
