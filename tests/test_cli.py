@@ -164,6 +164,16 @@ class TestWatch:
         third = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
         assert third.returncode == 0 and "up to date at v4" in third.stdout
 
+    def test_through_a_shared_cache(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(3))
+        cache = tmp_path / "cache"
+        for name in ("a", "b"):  # two replicas on one machine: the second reads the first's downloads
+            done = run("watch", url, "--model", str(tmp_path / name), "--once", "--no-ack", "--cache-dir", str(cache))
+            assert done.returncode == 0, done.stderr
+            assert_bit_exact(tmp_path / name, model)
+        assert any(p.suffix == ".safetensors" for p in cache.rglob("*"))
+
     def test_corrupt_delta_leaves_checkpoint_unchanged(self, trainer: Any, tmp_path: Path) -> None:
         url, model, publisher, gen = trainer
         publish_steps(publisher, model, gen, range(2))

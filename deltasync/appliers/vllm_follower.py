@@ -510,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-poll-interval", type=float, default=15.0, help="idle backoff cap: the longest a new version waits unseen"
     )
+    parser.add_argument(
+        "--cache-dir", default=None,
+        help="share downloaded objects with the node's other replicas through this directory (docs/FLEET.md)",
+    )
     parser.add_argument("--once", action="store_true", help="apply the latest version and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -519,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_id=args.replica_id,
         poll_interval=args.poll_interval,
         max_poll_interval=args.max_poll_interval,
+        **({"cache_dir": args.cache_dir} if args.cache_dir else {}),
     )
     with sub:
         if args.once:

@@ -41,6 +41,10 @@ def add_parser(sub: Any) -> None:
     )
     watch.add_argument("--replica-id", default=None, help="name in acks/ (default: watch-HOST-DIRNAME)")
     watch.add_argument("--no-ack", action="store_true", help="do not write acks/<replica>.json")
+    watch.add_argument(
+        "--cache-dir", default=None,
+        help="share downloaded objects with other replicas on this machine through this directory",
+    )
     watch.set_defaults(func=run)
 
 
@@ -69,7 +73,8 @@ def _watch(args: argparse.Namespace, directory: Path, replica: str, stop: thread
     applier = CheckpointDirApplier(directory)
     resume = applier.resume_options()
     sub = Subscriber(
-        args.url, applier, replica_id=replica, ack=not args.no_ack, **resume, **_poll_options(args)
+        args.url, applier, replica_id=replica, ack=not args.no_ack, **resume, **_poll_options(args),
+        **_cache_options(args),
     )
     sub.add_hook(applier.recorder(sub))
     sub.add_hook(_print_update)
@@ -158,12 +163,18 @@ def _wait_for_anchor(args: argparse.Namespace, stop: threading.Event) -> bool:
     return True
 
 
+def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"cache_dir": args.cache_dir} if args.cache_dir else {}
+
+
 def _initialise(args: argparse.Namespace, directory: Path, replica: str, stop: threading.Event) -> bool:
     """Create the checkpoint from the newest anchor; ``False`` if stopped while waiting for one."""
     from ..appliers.checkpoint import SINGLE_FILE, initialise_checkpoint
 
     if not _wait_for_anchor(args, stop):
         return False
-    info = initialise_checkpoint(directory, args.url, replica_id=replica, ack=not args.no_ack, on_update=_print_update)
+    info = initialise_checkpoint(
+        directory, args.url, replica_id=replica, ack=not args.no_ack, on_update=_print_update, **_cache_options(args)
+    )
     print(f"initialised {directory / SINGLE_FILE} at v{info.version}", flush=True)
     return True
