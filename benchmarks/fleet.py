@@ -53,7 +53,7 @@ from _common import human_bytes, loopback_store, machine, median, results_dir, t
 
 from deltasync._workload import make_weights, train_step  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
-from deltasync.demo import _CommitHasher  # noqa: E402
+from deltasync.demo import CommitHasher  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY  # noqa: E402
 from deltasync.publisher import Publisher  # noqa: E402
 from deltasync.stores import ObjectInfo, Store, open_store  # noqa: E402
@@ -276,7 +276,7 @@ def run_versions(
     weights = make_weights(scale, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    hasher = _CommitHasher(events)
+    hasher = CommitHasher(events)
     fleet.follow(url, options, scale, cache_dir, check=check)
     commits: dict[int, Commit] = {}
     rows = []

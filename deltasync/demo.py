@@ -47,7 +47,7 @@ import torch
 from ._demo_board import Board, Replica, pump_events, summary
 from .tensors import published_tensors, weights_digest
 
-__all__ = ["main", "run", "add_arguments", "weights_digest"]
+__all__ = ["main", "run", "add_arguments", "weights_digest", "CommitHasher", "quiet_transformers"]
 
 DEFAULT_STEPS = 8  # as benchmarks/payload.py: enough steps for a stable median
 QUICK_STEPS = 3
@@ -62,7 +62,7 @@ WAIT_S = 300.0  # how long the trainer waits for a replica before calling it los
 # ---------------------------------------------------------------------- shared helpers
 
 
-def _quiet_transformers() -> Any:
+def quiet_transformers() -> Any:
     from .errors import require
 
     transformers = require("transformers", "bench")
@@ -81,7 +81,7 @@ def _replica_main(index: int, url: str, checkpoint: str, events: Any, stop: Any)
 
     try:
         torch.set_num_threads(1)  # two replicas and a trainer share the cores
-        transformers = _quiet_transformers()
+        transformers = quiet_transformers()
         started = time.perf_counter()
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
         applier = TorchModuleApplier(model)
@@ -112,7 +112,7 @@ def _replica_main(index: int, url: str, checkpoint: str, events: Any, stop: Any)
 # ---------------------------------------------------------------------- trainer
 
 
-class _CommitHasher:
+class CommitHasher:
     """The publisher's ``on_publish`` callback: hashes each committed version.
 
     ``on_publish`` runs on the publisher's worker thread right after the manifest
@@ -143,7 +143,7 @@ def _train(args: argparse.Namespace, steps: int, url: str, board: Board, events:
     from .models import chat_batches, load_smollm2, train_step
     from .publisher import Publisher
 
-    _quiet_transformers()
+    quiet_transformers()
     started = time.perf_counter()
     model, tokenizer = load_smollm2(dtype=torch.float32)
     batches = chat_batches(tokenizer, args.batch_size)
@@ -153,7 +153,7 @@ def _train(args: argparse.Namespace, steps: int, url: str, board: Board, events:
     if not board.ready.wait(WAIT_S) or not all(r.live for r in board.replicas):
         raise RuntimeError("a replica did not start; see the messages above")
     board.say("\n" + board.header())
-    hasher = _CommitHasher(events)
+    hasher = CommitHasher(events)
     publisher = hasher.publisher = Publisher(model, url, on_publish=hasher)
     try:
         publisher.publish(0)  # version 0: an anchor of the starting weights

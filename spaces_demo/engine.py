@@ -36,7 +36,7 @@ import torch
 from deltasync import Publisher, Subscriber, TorchModuleApplier
 from deltasync._demo_board import RAW_BYTES_PER_CHANGE
 from deltasync.codec import DEFAULT_CODEC, codec_names
-from deltasync.demo import DEFAULT_LR, MAX_POLL_S, POLL_S, _CommitHasher, _quiet_transformers
+from deltasync.demo import DEFAULT_LR, MAX_POLL_S, POLL_S, CommitHasher, quiet_transformers
 from deltasync.format import Header
 from deltasync.models import CHAT_PAIRS
 from deltasync.publisher import PublishInfo
@@ -312,7 +312,7 @@ class Session:
         publisher: Publisher | None = None
         steps = 0
         try:
-            _quiet_transformers()
+            quiet_transformers()
             torch.manual_seed(0)
             self._phase(f"loading the trainer ({settings.layers} layers, fp32 masters)")
             model, tokenizer = self._loader(settings.layers, torch.float32)
@@ -324,7 +324,7 @@ class Session:
                 self._state.params = sum(p.numel() for p in model.parameters())
             self._phase("loading the replica (bf16) and following the store")
             self._replica = self._follow(settings, url, options)
-            hasher = _CommitHasher(self)
+            hasher = CommitHasher(self)
             publisher = hasher.publisher = Publisher(
                 model, url, codec=settings.codec, anchor_every=settings.anchor_every, on_publish=hasher, **options
             )
