@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,11 @@ def machine() -> dict[str, Any]:
         "deltasync": deltasync.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def shared_machine(load_before: tuple[float, float, float], note: str) -> dict[str, Any]:
+    """:func:`machine`, the load averages before and after a run, and how to read its times (``note``)."""
+    return {**machine(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "note": note}
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -80,10 +89,11 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` atomically."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict[str, Any], directory: Path | str | None = None) -> Path:
+    """Write ``<directory>/<name>.json`` atomically (``benchmarks/results`` unless ``directory`` is given)."""
+    folder = Path(directory) if directory is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
@@ -104,3 +114,51 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def results_dir(quick: bool, given: str | None) -> Path:
+    """Where a benchmark writes its JSON: ``given``, else ``benchmarks/results`` for full runs.
+
+    Quick runs default to a temporary directory, so a smoke run never replaces
+    the committed results of a full run.
+    """
+    if given:
+        return Path(given)
+    return Path(tempfile.gettempdir()) / "deltasync-bench-quick" if quick else RESULTS
+
+
+def _serve_main(kind: str, prefix: str, conn: Any, stop: Any) -> None:
+    """Child process: run ``tests/servers/<kind>.py`` and send ``(url, options)`` of ``prefix``, until ``stop``."""
+    import importlib
+    import logging
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs one line per request otherwise
+    module = importlib.import_module(f"tests.servers.{kind}")
+    with module.serve() as server:
+        conn.send((server.store_url(prefix), server.store_options()))
+        stop.wait()
+
+
+@contextlib.contextmanager
+def loopback_store(kind: str, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A store URL and its options on a loopback server of the tests (``"s3"``: moto, ``"hf"``: fake Hub).
+
+    The server runs in its own spawned process, so its CPU time and memory (moto
+    keeps every object in memory) are not charged to the trainer that is timed.
+    """
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    stop = ctx.Event()
+    server = ctx.Process(target=_serve_main, args=(kind, prefix, send, stop), name=f"loopback-{kind}", daemon=True)
+    server.start()
+    try:
+        if not receive.poll(120):
+            raise RuntimeError(f"the loopback {kind} server did not start")
+        url, options = receive.recv()
+        yield url, options
+    finally:
+        stop.set()
+        server.join(30)
+        if server.is_alive():
+            server.terminate()

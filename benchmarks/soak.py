@@ -29,8 +29,8 @@ Checked, and written to ``benchmarks/results/soak.json``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import human_bytes, machine, write_json  # noqa: E402
+from _common import human_bytes, loopback_store, machine, write_json  # noqa: E402
 
 from deltasync import manifest as manifest_module  # noqa: E402
 from deltasync._workload import make_weights, train_step  # noqa: E402
@@ -356,17 +356,6 @@ class Soak:
         }
 
 
-def moto_main(conn: Connection, stop: Any) -> None:
-    """Serve a loopback S3 (tests/servers/s3.py) until ``stop``; send ``(url, options)`` first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.servers.s3 import serve
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    with serve() as s3:
-        conn.send((s3.store_url(f"soak-{os.getpid()}"), s3.store_options()))
-        stop.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", type=int, default=2000)
@@ -389,24 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     import deltasync.publisher
 
     deltasync.publisher.deletable = functools.partial(manifest_module.deletable, grace=args.grace)  # type: ignore[assignment]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         options: dict[str, Any] = {}
-        server = None
         if args.moto:  # in its own process: moto keeps objects in memory, which is not the trainer's
-            ctx = mp.get_context("spawn")
-            receive, send = ctx.Pipe(duplex=False)
-            stop = ctx.Event()
-            server = ctx.Process(target=moto_main, args=(send, stop), daemon=True)
-            server.start()
-            url, options = receive.recv()
+            url, options = stack.enter_context(loopback_store("s3", f"soak-{os.getpid()}"))
         else:
             url = args.store or str(Path(tmp) / "run")
-        try:
-            result = Soak(args, url, options).run()
-        finally:
-            if server is not None:
-                stop.set()
-                server.join(30)
+        result = Soak(args, url, options).run()
     path = write_json(args.output, result)
     store = result["store"]
     print(
