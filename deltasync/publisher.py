@@ -545,7 +545,7 @@ class Publisher:
             groups[-1][name] = tensor
             size += nbytes
         futures, t_encode = [], 0.0
-        for i, group in enumerate(groups):
+        for i, group in enumerate(g for g in groups if g):  # a rank that holds nothing uploads nothing
             t0 = time.perf_counter()
             data = encode_anchor(group, version=version, model=self._specs or snapshot.specs, rows=self._rows)
             t_encode += time.perf_counter() - t0

@@ -1,0 +1,195 @@
+"""Sharded publishing: does splitting a version across ranks make publishing faster?
+
+A synthetic bf16 model (``--params``, default 200M elements in 16 tensors) is held
+by every rank of a data-parallel job (gloo on CPU); each version changes
+``--density`` of the elements at random, identically on every rank (as
+all-reduced gradients would). Every rank publishes with
+:class:`~deltasync.sharded.ShardedPublisher`, so each diffs, encodes and uploads
+1/world of the rows; world = 1 runs the plain :class:`~deltasync.Publisher` in
+one process as the baseline. Every process uses one torch thread. Per version and world size, medians over versions:
+
+- training-thread time of ``publish()`` (the diff), slowest rank;
+- ``publish()`` to manifest commit (rank 0), with the encode and upload share;
+- bytes per version, and per rank;
+- a replica's decode + apply of the version (one file, or one shard per rank joined).
+
+Ranks share this machine's cores: beyond the core count they compete, which
+the table shows. Writes ``benchmarks/results/sharded.json``.
+
+    python benchmarks/sharded.py                       # worlds 1 2 4, 200M elements, 1 %
+    python benchmarks/sharded.py --quick               # 20M elements, worlds 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+
+import torch  # noqa: E402
+from _common import human_bytes, machine, median, results_dir, table, write_json  # noqa: E402
+
+TENSORS = 16
+
+
+def make_weights(params: int) -> dict[str, torch.Tensor]:
+    """``params`` bf16 elements in :data:`TENSORS` matrices of 1024 columns, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    rows = max(1, params // TENSORS // 1024)
+    return {f"layers.{i}.weight": torch.randn(rows, 1024, generator=g).to(torch.bfloat16) for i in range(TENSORS)}
+
+
+def update(weights: dict[str, torch.Tensor], version: int, density: float) -> None:
+    """Change ``density`` of every tensor at random (the same on every rank)."""
+    g = torch.Generator().manual_seed(version)
+    for tensor in weights.values():
+        flat = tensor.view(-1)
+        idx = torch.randint(0, flat.numel(), (int(flat.numel() * density),), generator=g).unique()  # no repeats:
+        # which of two writes to one index wins is unspecified, and replicas replay these updates
+        flat[idx] = (flat[idx].float() + 0.01 * torch.randn(idx.numel(), generator=g)).to(torch.bfloat16)
+
+
+def _run(world: int, rank: int, args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """One rank's (or the single process's) publishing loop; returns its timings."""
+    from deltasync.publisher import Publisher, PublishInfo
+
+    weights = make_weights(args.params)
+    infos: list[PublishInfo] = []
+    options = {"anchor_every": 10_000, "anchor_ratio": 1e9, "on_publish": infos.append}
+    if world == 1:
+        publisher: Any = Publisher(weights, url, **options)
+    else:
+        from deltasync.sharded import ShardedPublisher
+
+        publisher = ShardedPublisher(weights, url, **options)
+    calls, commits = [], []
+    with publisher:
+        publisher.publish(0, block=True)
+        publisher.flush()
+        for version in range(1, args.versions + 1):
+            update(weights, version, args.density)
+            if world > 1:
+                torch.distributed.barrier()
+            started = time.perf_counter()
+            publisher.publish(version, block=True)
+            calls.append(time.perf_counter() - started)
+            publisher.flush()
+            commits.append(time.perf_counter() - started)
+    deltas = [i for i in infos if i.kind == "delta"]
+    return {
+        "rank": rank,
+        "publish_call_s": calls,
+        "commit_s": commits,
+        "own_bytes": publisher.stats.bytes,
+        "bytes": [i.bytes for i in deltas],
+        "encode_s": [i.t_encode for i in deltas],
+        "upload_s": [i.t_upload for i in deltas],
+        "nnz": [i.nnz for i in deltas],
+    }
+
+
+def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, url: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one core per rank, the single-process baseline included
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        result = _run(world, rank, args, url)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _time_last_hop(url: str, params: int, latest: int) -> float:
+    from deltasync.appliers import TorchModuleApplier
+    from deltasync.manifest import Manifest
+    from deltasync.stores import open_store
+    from deltasync.subscriber import Subscriber
+
+    replica = make_weights(params)
+    for version in range(1, latest):
+        update(replica, version, ARGS.density)
+    run_id = Manifest.from_bytes(open_store(url).get("manifest.json")).run_id
+    sub = Subscriber(url, TorchModuleApplier(replica), ack=False, start_version=latest - 1, run_id=run_id)
+    info = sub.update()
+    sub.close()
+    assert info is not None and info.route == ("delta",)
+    return info.t_decode + info.t_apply
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=200_000_000)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--quick", action="store_true", help="20M elements, worlds 1 2, 3 versions")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default: benchmarks/results)")
+    args = parser.parse_args()
+    if args.quick:
+        args.params, args.worlds, args.versions = 20_000_000, [1, 2], 3
+    global ARGS
+    ARGS = args
+    import torch.multiprocessing as mp
+
+    rows, results = [], {}
+    base_commit = None
+    for world in args.worlds:
+        with tempfile.TemporaryDirectory(prefix="deltasync-sharded-") as tmp:
+            url = os.path.join(tmp, "store")
+            mp.start_processes(
+                _rank_main, args=(world, f"file://{tmp}/rendezvous", args, url, tmp),
+                nprocs=world, start_method="spawn", join=True,
+            )
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+            apply_s = _time_last_hop(url, args.params, args.versions)
+        lead = ranks[0]
+        call = median([max(r["publish_call_s"][i] for r in ranks) for i in range(args.versions)])
+        commit = median(lead["commit_s"])
+        base_commit = base_commit or commit
+        results[str(world)] = {
+            "ranks": ranks,
+            "publish_call_s": call,
+            "commit_s": commit,
+            "bytes": median(lead["bytes"]),
+            "bytes_per_rank": [r["own_bytes"] / (args.versions + 1) for r in ranks],
+            "replica_apply_s": apply_s,
+            "speedup_commit": base_commit / commit,
+        }
+        rows.append([
+            world, f"{1e3 * call:.0f} ms", f"{1e3 * commit:.0f} ms", f"{base_commit / commit:.2f}x",
+            human_bytes(median(lead["bytes"])), f"{1e3 * apply_s:.0f} ms",
+        ])
+        print(f"world {world}: publish call {1e3 * call:.0f} ms, commit {1e3 * commit:.0f} ms", flush=True)
+    payload = {
+        "machine": machine(),
+        "params": args.params,
+        "density": args.density,
+        "versions": args.versions,
+        "worlds": results,
+    }
+    path = write_json("sharded", payload, results_dir(args.quick, args.out))
+    print()
+    print(f"{args.params / 1e6:.0f}M bf16 elements, {100 * args.density:g} % changed per version, medians over "
+          f"{args.versions} versions ({os.cpu_count()} cores)")
+    print(table(rows, ["ranks", "publish() on the training thread", "publish to commit", "vs 1 rank",
+                       "bytes / version", "replica decode+apply"]))
+    print(f"\nwrote {path}")
+
+
+ARGS: argparse.Namespace
+
+
+if __name__ == "__main__":
+    main()
