@@ -17,6 +17,15 @@ markdown table.
 
     python benchmarks/payload.py            # 8 steps at lr 3e-6
     python benchmarks/payload.py --quick    # 3 steps
+
+Sweeps (``benchmarks/_sweep.py``) compare every layout, the public prototype
+layouts and dense baselines included, on the same deltas, against learning
+rate (1e-7 ... 1e-4) or optimizer steps between publishes (1, 2, 4, 8), and
+write ``payload_lr.json`` / ``payload_interval.json``::
+
+    python benchmarks/payload.py --sweep lr          # 5 learning rates x 4 steps
+    python benchmarks/payload.py --sweep interval    # 8 steps, publishing every 1, 2, 4, 8
+    python benchmarks/payload.py --sweep lr --quick  # CI: 2-layer model, 1 step per lr (temp dir)
 """
 
 from __future__ import annotations
@@ -30,7 +39,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_interleaved, best_timed, human_bytes, machine, median, table, timed, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    best_interleaved,
+    best_timed,
+    human_bytes,
+    machine,
+    median,
+    results_dir,
+    table,
+    timed,
+    write_json,
+)
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
@@ -171,9 +190,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="3 steps")
+    parser.add_argument("--quick", action="store_true", help="3 steps (sweeps: a 2-layer model, fewer points)")
     parser.add_argument("--out", default="payload", help="results file name (without .json)")
+    parser.add_argument("--sweep", choices=["lr", "interval"], help="run a payload sweep instead")
+    parser.add_argument("--results-dir", help="where to write the JSON (default: results/, quick: a temp dir)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        import _sweep
+
+        return _sweep.run(args.sweep, quick=args.quick, directory=results_dir(args.quick, args.results_dir))
     steps = 3 if args.quick else args.steps
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -207,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "payload", "model": "SmolLM2-135M-Instruct", "lr": args.lr, "optimizer": "AdamW",
         "master_dtype": "float32", "steps": steps, "machine": machine(), "summary": summary, "rows": rows,
         "table": report,
-    })
+    }, results_dir(args.quick, args.results_dir))
     print(f"wrote {path}")
     return summary
 

@@ -1,0 +1,375 @@
+"""Build the benchmark notebooks from the cells below, and execute them in place (full mode).
+
+    python notebooks/_build.py            # write and execute both notebooks (outputs committed)
+    python notebooks/_build.py --no-run   # write them without outputs
+
+Each notebook reads ``DELTASYNC_NOTEBOOK_QUICK``: ``1`` keeps it under a minute
+(it loads the committed results and runs only small live computations), ``0``
+(the default) runs the full live computations and writes the README figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''\
+import json, os, tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+QUICK = os.environ.get("DELTASYNC_NOTEBOOK_QUICK", "0") == "1"
+ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "benchmarks" / "results").is_dir())
+RESULTS = Path(os.environ.get("DELTASYNC_RESULTS", ROOT / "benchmarks" / "results"))  # another results dir
+# Figures for the README are written by full runs only; quick runs (CI) write to a scratch directory.
+FIGURES = Path(tempfile.mkdtemp()) if QUICK else ROOT / "docs" / "img"
+FIGURES.mkdir(parents=True, exist_ok=True)
+
+def load(name):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3})
+print("quick mode" if QUICK else "full mode", "- results from", RESULTS)'''
+
+NB01 = [
+    ("md", """\
+# Why bf16 updates are sparse
+
+An RL trainer keeps fp32 master weights and publishes them in bf16. After one optimizer step at an RL learning
+rate, about 99 % of the published bf16 values are **bit-identical** to the previous version. This notebook shows
+why, with a small live computation and the measurements of `benchmarks/payload.py --sweep lr` (SmolLM2-135M,
+fp32 masters, AdamW, real batches).
+
+Set `DELTASYNC_NOTEBOOK_QUICK=1` for a run under a minute (smaller simulation); the measured results are loaded
+from `benchmarks/results/` in both modes."""),
+    ("code", SETUP),
+    ("md", """\
+## 1. bf16 has 8 significant bits
+
+bf16 keeps 8 bits of precision (7 stored mantissa bits), so adjacent bf16 values around `x` are
+`2**(floor(log2|x|) - 7)` apart: between `|x|/256` and `|x|/128`. A weight of 0.05 sits on a grid of spacing
+2**-12 = 2.4e-4.
+
+Adam normalises each coordinate's step, `lr * m / (sqrt(v) + eps)`, so an update moves a weight by at most about
+`lr` whatever the gradient's scale. At `lr = 3e-6` that is 80 times smaller than the spacing at 0.05. The plot puts
+the bf16 spacing next to the learning rates of the sweep, over the distribution of SmolLM2's weight magnitudes."""),
+    ("code", '''\
+lr_sweep = load("payload_lr")
+w = lr_sweep["weight_hist"]
+mag = np.logspace(-8, 1, 2000)
+spacing = 2.0 ** (np.floor(np.log2(mag)) - 7)
+
+fig, ax = plt.subplots(figsize=(8, 4.2))
+ax.step(mag, spacing, where="post", color="k", label="bf16 spacing at |w|")
+for lr, c in zip(lr_sweep["lrs"], plt.cm.viridis(np.linspace(0, 0.9, len(lr_sweep["lrs"])))):
+    ax.axhline(lr, color=c, ls="--", lw=1, label=f"lr {lr:g}")
+ax.set(xscale="log", yscale="log", xlabel="|w|", ylabel="spacing / update size", xlim=(1e-8, 10))
+ax2 = ax.twinx()
+octaves = np.array(w["log2_floor"], dtype=float)
+ax2.bar(2.0 ** octaves, np.array(w["count"]) / sum(w["count"]), width=2.0 ** octaves, align="edge", alpha=0.25,
+        color="tab:orange", label="SmolLM2 weights (share per octave)")
+ax2.set_ylabel("share of weights", color="tab:orange"); ax2.grid(False)
+ax.legend(loc="upper left", fontsize=8); ax2.legend(loc="lower right", fontsize=8)
+numel = sum(w["count"]) + w["zeros"]
+typical = 2.0 ** octaves[np.argmax(w["count"])]
+print(f"most weights have |w| in [{typical:.3g}, {2 * typical:.3g}): spacing {typical / 128:.2g}")
+print(f"exact zeros: {w['zeros']:,} of {numel:,} weights ({100 * w['zeros'] / numel:.2f} %)")
+plt.show()'''),
+    ("md", """\
+## 2. When does a bf16 value change?
+
+The published value changes only when the fp32 master crosses a rounding midpoint of the bf16 grid.
+
+- A master that starts **on the grid** (loaded from a bf16 checkpoint) must move by at least half a spacing.
+- A master that has drifted to a **random place inside its cell** changes with probability about
+  `|update| / spacing` (for updates below one spacing).
+
+Either way, an update far below the spacing almost never shows in bf16. A small live simulation: weights with
+the magnitudes of SmolLM2's non-zero weights (drawn from the histogram above, random signs, stored in bf16 like a
+checkpoint), then AdamW with noisy gradients around a fixed per-coordinate signal, as a stand-in for RL gradients.
+We count the fraction of bf16 values that change at each step."""),
+    ("code", '''\
+import torch
+
+def checkpoint_like(n, g):
+    """n weights whose magnitudes follow SmolLM2's octave histogram (uniform in log2 within an octave)."""
+    share = torch.tensor(w["count"], dtype=torch.float64)
+    octave = torch.tensor(w["log2_floor"], dtype=torch.float64)[torch.multinomial(share, n, True, generator=g)]
+    sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return (sign * 2.0 ** (octave + torch.rand(n, generator=g, dtype=torch.float64))).float()
+
+def simulate(lr, n, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = checkpoint_like(n, g).to(torch.bfloat16).float().requires_grad_()
+    signal = torch.randn(n, generator=g)
+    opt = torch.optim.AdamW([x], lr=lr, weight_decay=0.0)
+    published = x.detach().to(torch.bfloat16).view(torch.int16).clone()
+    changed = []
+    for _ in range(steps):
+        x.grad = signal + 3 * torch.randn(n, generator=g)
+        opt.step()
+        now = x.detach().to(torch.bfloat16).view(torch.int16)
+        changed.append((now != published).float().mean().item())
+        published = now.clone()
+    return np.array(changed)
+
+n, steps = (100_000, 8) if QUICK else (2_000_000, 30)
+sim_lrs = np.logspace(-7, -3, 9 if QUICK else 17)
+sim = np.array([simulate(lr, n, steps) for lr in sim_lrs])
+print(f"{n:,} weights, {steps} AdamW steps per learning rate")
+for lr, row in zip(sim_lrs, sim):
+    print(f"lr {lr:8.1e}: changed at step 1 {100 * row[0]:7.3f} %, "
+          f"mean of later steps {100 * row[steps // 2:].mean():7.3f} %")'''),
+    ("md", """\
+## 3. Fraction changed against learning rate: simulation and SmolLM2
+
+The measured points are the per-step fractions of changed bf16 elements of SmolLM2-135M in the lr sweep (each
+learning rate restarts from the checkpoint; step 1 is AdamW's first step, where every moving coordinate moves by
+exactly `lr`)."""),
+    ("code", '''\
+fig, ax = plt.subplots(figsize=(7.5, 4.2))
+ax.plot(sim_lrs, 100 * sim[:, 0], "o-", color="tab:blue", ms=3, label="simulation, step 1")
+ax.plot(sim_lrs, 100 * sim[:, steps // 2:].mean(axis=1), "s-", color="tab:green", ms=3, label="simulation, later steps")
+pts = lr_sweep["points"]
+for points, marker, label in (([p for p in pts if p["step"] == 1], "o", "step 1"),
+                              ([p for p in pts if p["step"] > 1], "x", "steps 2+")):
+    ax.scatter([p["lr"] for p in points], [100 * (1 - p["sparsity"]) for p in points], color="tab:red",
+               marker=marker, zorder=3, label=f"SmolLM2-135M, {label}")
+zero_share = 100 * w["zeros"] / (sum(w["count"]) + w["zeros"])
+ax.axhline(zero_share, color="tab:red", ls=":", lw=1, label=f"SmolLM2 exact zeros ({zero_share:.2f} %)")
+ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="bf16 elements changed per step (%)")
+ax.legend(fontsize=8)
+plt.show()
+for s in lr_sweep["summary"]:
+    print(f"lr {s['lr']:g}: SmolLM2 median sparsity {100 * s['sparsity']:.3f} %, "
+          f"lowest {100 * s['min_sparsity']:.3f} %")'''),
+    ("md", """\
+Two regimes show up. Well below `lr ~ 1e-5` the simulated fraction falls in proportion to the learning rate (an
+update of `lr` changes a weight with probability about `lr / spacing`). SmolLM2 instead flattens out near its
+share of **exact zeros**: this checkpoint was converted from a 4-bit GGUF file, and bf16 spacing around 0 is
+tiny, so a zero moves to a new bf16 value at any learning rate. Weights that sit at zero, or very near it, are the
+floor of the change rate; a checkpoint without them has an even sparser floor.
+
+## 4. Update size in units of bf16 spacing (SmolLM2, measured)
+
+For a fixed sample of about two million elements (a quarter million in the quick results), the sweep recorded
+`|fp32 update| / spacing` at every step and whether the bf16 value changed. Left: the distribution per learning
+rate (after AdamW's first step, which moves every coordinate by exactly `lr`). Right: the share of changed values
+in each bin against the two models above: at step 1 the fp32 masters still sit on the bf16 grid of the checkpoint,
+so a value changes exactly when the update reaches half a spacing; later the masters have drifted inside their
+cells and smaller updates start to show."""),
+    ("code", '''\
+edges = np.array(lr_sweep["ratio_edges"])
+centers = 2.0 ** ((edges[:-1] + edges[1:]) / 2)
+
+def pooled(points):
+    count = np.sum([p["update_hist"]["count"] for p in points], axis=0)
+    return count, np.sum([p["update_hist"]["changed"] for p in points], axis=0)
+
+later = [p for p in pts if p["step"] > 1] or pts  # AdamW's first step moves every coordinate by exactly lr
+fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+octave_edges = edges[: len(edges) - (len(edges) - 1) % 2 : 2]  # whole octaves: spacings are powers of two
+octave_centers = 2.0 ** (octave_edges[:-1] + 0.5)
+for lr, c in zip(lr_sweep["lrs"], plt.cm.viridis(np.linspace(0, 0.9, len(lr_sweep["lrs"])))):
+    count, _ = pooled([p for p in later if p["lr"] == lr])
+    per_octave = count[: 2 * len(octave_centers)].reshape(-1, 2).sum(axis=1)
+    a.step(octave_centers, per_octave / count.sum(), where="mid", color=c, label=f"lr {lr:g}")
+a.axvline(1, color="k", lw=0.8)
+a.set(xscale="log", xlim=(1e-6, 100), xlabel="|update| / bf16 spacing", ylabel="share of moving sampled elements",
+      title="update size" + (" (steps 2+)" if later is not pts else ""))
+for points, style, label in (([p for p in pts if p["step"] == 1], "o-", "step 1 (masters on the bf16 grid)"),
+                             ([p for p in pts if p["step"] > 1], "s-", "steps 2+ (masters drifted)")):
+    if points:
+        count, hit = pooled(points)
+        ok = count >= 20
+        b.plot(centers[ok], hit[ok] / count[ok], style, ms=3, label=f"SmolLM2, {label}")
+r = np.logspace(-3, 1, 400)
+b.plot(r, np.minimum(1, r), "k--", lw=1, label="model: master anywhere in its cell, min(1, r)")
+b.plot(r, (r >= 0.5).astype(float), "k:", lw=1, label="model: master on the grid, r >= 1/2")
+b.set(xscale="log", xlim=(1e-3, 10), xlabel="r = |update| / bf16 spacing", ylabel="share that changed in bf16",
+      title="probability of a visible change (all learning rates)")
+a.legend(fontsize=7); b.legend(fontsize=7)
+plt.tight_layout(); plt.show()
+for lr in lr_sweep["lrs"]:
+    count, _ = pooled([p for p in pts if p["lr"] == lr])
+    print(f"lr {lr:g}: {100 * count[centers < 0.5].sum() / count.sum():.2f} % of the moving sampled elements "
+          "moved by less than half a spacing")'''),
+    ("md", """\
+## Takeaways
+
+- At RL learning rates (1e-7 to 1e-5) almost every AdamW update is a small fraction of the local bf16 spacing, so
+  it rounds away: on SmolLM2 the median share of bit-identical bf16 values per step is 99.7 % at 1e-7, 99.6 % at
+  1e-6, 99.1 % at 3e-6 and 97.7 % at 1e-5 (80 % at 1e-4).
+- The elements that do change are mostly weights near zero (where the spacing is tiny) and coordinates whose
+  master drifted to a rounding midpoint; the change is nearly always one bf16 step, which is why base-relative
+  value coding (`compact`) is small.
+- Sparsity falls as the learning rate grows and as versions cover more optimizer steps; notebook 02 shows what
+  that does to the bytes per version, for each layout."""),
+]
+
+NB02 = [
+    ("md", """\
+# Payload and throughput
+
+Bytes per published version for every layout on the same SmolLM2-135M deltas, against learning rate and against
+optimizer steps between publishes (`benchmarks/payload.py --sweep lr|interval`), and the cost of publishing and
+applying deltas on synthetic bf16 models from 10M to 1B parameters (`benchmarks/throughput.py`).
+
+Both modes load the committed results in `benchmarks/results/`; the full mode (`DELTASYNC_NOTEBOOK_QUICK=0`, the
+default) also writes the README figure `docs/img/payload_vs_lr.png`. Timings come from a shared 2-core machine:
+read ratios measured in the same run, not absolute times."""),
+    ("code", SETUP),
+    ("code", '''\
+lr_sweep, interval_sweep, throughput = load("payload_lr"), load("payload_interval"), load("throughput")
+LAYOUTS = lr_sweep["layouts"]
+STYLE = {  # dense baselines grey, prototype layouts dashed, deltasync codecs solid
+    "dense": ("0.2", "-", "s"), "dense_zstd1": ("0.45", "-", "s"), "dense_zstd3": ("0.6", ":", "s"),
+    "xor_zstd1": ("tab:brown", "-.", "x"), "gap16": ("tab:purple", "--", "^"), "rowcol_zstd1": ("tab:pink", "--", "v"),
+    "raw": ("tab:orange", "-", "o"), "compact-abs": ("tab:cyan", "-", "o"), "compact": ("tab:blue", "-", "o"),
+}
+LABEL = {"dense": "dense bf16", "dense_zstd1": "dense + zstd-1", "dense_zstd3": "dense + zstd-3",
+         "xor_zstd1": "XOR snapshot + zstd-1", "gap16": "uint16 gaps + bf16 (TRL, later)",
+         "rowcol_zstd1": "row/col delta + zstd-1 (PULSE)", "raw": "raw: int32 + bf16 (TRL, public)",
+         "compact-abs": "compact-abs", "compact": "compact (default)"}
+for key, text in LAYOUTS.items():
+    print(f"{LABEL[key]:32} {text}")
+print()
+print(f"{lr_sweep['model']}: {lr_sweep['numel']:,} parameters, {lr_sweep['steps_per_lr']} steps per learning rate")'''),
+    ("md", """\
+## Bytes per version against learning rate
+
+Each learning rate restarts from the checkpoint and publishes after every optimizer step; the plot shows the
+median over steps. Every layout encodes the same change set at every point."""),
+    ("code", '''\
+def plot_layouts(ax, xs, summary, per=None):
+    for key in LAYOUTS:
+        color, ls, marker = STYLE[key]
+        ys = np.array([s["bytes"][key] for s in summary], dtype=float)
+        if per is not None:
+            ys = ys / np.array(per)
+        ax.plot(xs, ys, ls=ls, marker=marker, color=color, ms=4, lw=1.8 if key == "compact" else 1.1, label=LABEL[key])
+    ax.set_yscale("log")
+
+lrs = [s["lr"] for s in lr_sweep["summary"]]
+fig, ax = plt.subplots(figsize=(8.5, 5))
+plot_layouts(ax, lrs, lr_sweep["summary"])
+ax.set(xscale="log", xlabel="learning rate (AdamW)", ylabel="bytes per published version",
+       title=f"{lr_sweep['model']}: bytes per version vs learning rate")
+for x, s in zip(lrs, lr_sweep["summary"]):
+    ax.annotate(f"{100 * s['sparsity']:.2f} %\\nunchanged", (x, lr_sweep["summary"][0]["bytes"]["dense"] * 1.6),
+                ha="center", fontsize=7)
+ax.set_ylim(top=lr_sweep["summary"][0]["bytes"]["dense"] * 6)
+ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+fig.tight_layout()
+fig.savefig(FIGURES / "payload_vs_lr.png", dpi=130, bbox_inches="tight")
+plt.show()
+print(lr_sweep["table"])'''),
+    ("md", """\
+## Bytes per version against steps between publishes
+
+One training run at lr 3e-6; each interval `k` has its own published snapshot, diffed against the weights every `k`
+optimizer steps (a slow or skipped publish makes the next delta cover more steps). Right: the same bytes divided
+by `k`, the upload bandwidth per optimizer step."""),
+    ("code", '''\
+ks = [s["interval"] for s in interval_sweep["summary"]]
+fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
+plot_layouts(a, ks, interval_sweep["summary"])
+plot_layouts(b, ks, interval_sweep["summary"], per=ks)
+for ax, title in ((a, "bytes per version"), (b, "bytes per optimizer step")):
+    ax.set(xscale="log", xlabel="optimizer steps between publishes", ylabel=title, title=title)
+    ax.minorticks_off()
+    ax.set_xticks(ks, [str(k) for k in ks])
+b.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+fig.tight_layout()
+fig.savefig(FIGURES / "payload_vs_interval.png", dpi=130, bbox_inches="tight")
+plt.show()
+print(interval_sweep["table"])'''),
+    ("md", """\
+## Publish and apply cost against model size
+
+Synthetic Llama-shaped bf16 models; a changed element moves one bf16 step. *Publish* is the diff against the
+snapshot plus `encode_delta` (compact codec); *apply* is what a replica does with the file: header, validation,
+decode with the base lookup, and the in-place `index_copy_` into its tensors. Dashed lines are the bare memory
+passes measured in the same run: `torch.ne` over every weight and `index_copy_` of the changed elements."""),
+    ("code", '''\
+rows = throughput["rows"]
+densities = throughput["densities"]
+fig, axes = plt.subplots(1, len(densities), figsize=(5 * len(densities), 4.2), sharey=True)
+for ax, d in zip(np.atleast_1d(axes), densities):
+    at = sorted((r for r in rows if r["density"] == d), key=lambda r: r["numel"])
+    n = np.array([r["numel"] for r in at], dtype=float)
+    for key, label, style in (("diff", "diff", "-o"), ("encode_compact", "encode (compact)", "-o"),
+                              ("decode_compact", "header+validate+decode", "-o"), ("apply", "apply in place", "-o"),
+                              ("ne", "bare torch.ne", "--"), ("index_copy", "bare index_copy_", "--")):
+        ax.plot(n, [r["t"][key] for r in at], style, ms=4, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="parameters", title=f"{100 * d:g} % of elements changed")
+np.atleast_1d(axes)[0].set_ylabel("seconds (median)")
+np.atleast_1d(axes)[-1].legend(fontsize=7)
+fig.tight_layout()
+fig.savefig(FIGURES / "throughput_vs_size.png", dpi=130, bbox_inches="tight")
+plt.show()
+print(throughput["table"])'''),
+    ("md", """\
+## Per-element constants
+
+A least-squares fit `t = a * parameters + b * changed + c` per stage over the larger models (from median times), and
+the plain ratios at the largest model per density (from minimum times, the least disturbed by other work on the
+machine). The diff pays per weight (it reads every element once) plus a little per change; encode, decode and
+apply pay per changed element, and a change costs more when changes are sparse (each one is its own cache miss).
+These constants feed the scaling projections in the docs."""),
+    ("code", '''\
+fit = throughput["constants"]["fit"]
+print(f"fitted on: {', '.join(fit['fitted_on'])}")
+print(f"{'stage':18} {'ns / parameter':>15} {'ns / changed':>13} {'fixed (ms)':>11}")
+for stage, c in fit.items():
+    if isinstance(c, dict):
+        print(f"{stage:18} {c['ns_per_element']:15.3f} {c['ns_per_changed']:13.2f} {1e3 * c['fixed_s']:11.1f}")
+print()
+largest = throughput["constants"]["largest_model"]
+print(f"plain ratios at {largest['size']} (minimum times), by fraction of elements changed:")
+by = largest["by_density"]
+keys = list(next(iter(by.values()))["min"])
+print(f"{'':32}" + "".join(f"{100 * float(d):>10g} %" for d in by))
+for key in keys:
+    print(f"{key:32}" + "".join(f"{by[d]['min'][key]:12.2f}" for d in by))'''),
+]
+
+
+def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-run", action="store_true", help="write the notebooks without executing them")
+    parser.add_argument("--only", choices=["01", "02"], help="build one notebook")
+    args = parser.parse_args()
+    books = {"01": ("01_why_bf16_updates_are_sparse.ipynb", NB01), "02": ("02_payload.ipynb", NB02)}
+    for key, (name, cells) in books.items():
+        if args.only and key != args.only:
+            continue
+        nb = build(cells)
+        if not args.no_run:
+            from nbclient import NotebookClient
+
+            os.environ.setdefault("DELTASYNC_NOTEBOOK_QUICK", "0")
+            resources = {"metadata": {"path": str(HERE)}}
+            client = NotebookClient(nb, timeout=1200, kernel_name="python3", resources=resources)
+            client.execute()
+        nbformat.write(nb, HERE / name)
+        print(f"wrote {HERE / name}")
+
+
+if __name__ == "__main__":
+    main()
