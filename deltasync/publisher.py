@@ -195,6 +195,9 @@ class Publisher:
         self._since_anchor = 0
         self._closed = False
         self._opened = threading.Event()  # set by the worker once the first open has finished
+        # What the model is, read now: the worker opens the prefix later, when the caller's tensors
+        # may be sharded again (FSDP1 gathers them only around each publish).
+        self._model_specs = tuple(TensorSpec.of(n, t, dtype) for n, t in published_tensors(model))
         # Set by ShardedPublisher: this rank's slice of a larger model.
         self._specs: tuple[TensorSpec, ...] | None = None  # the full model, when sharded
         self._rows: dict[str, tuple[int, int]] | None = None  # dim-0 rows this rank carries
@@ -303,7 +306,7 @@ class Publisher:
 
     def _open(self) -> None:
         """Read the prefix's manifest and take ownership, or refuse."""
-        live = self._specs or [TensorSpec.of(n, t, self.dtype) for n, t in published_tensors(self.model)]
+        live = self._specs or self._model_specs
         fp, numel = fingerprint(live), sum(s.numel for s in live)
         try:
             got = self.store.get_if_changed(MANIFEST_KEY, None)

@@ -34,6 +34,14 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def fsdp1_state(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of an FSDP1 model, gathered on all ranks, under its checkpoint name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+
+
 def rank_main(
     rank: int, world: int, init: str, mode: str, steps: int, url: str, options: dict[str, Any], out: str
 ) -> None:
@@ -108,8 +116,8 @@ def rank_main(
         dist.destroy_process_group()
 
 
-def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: str) -> None:
-    """One FSDP2 rank driving DeltaSyncCallback's Trainer hooks as a Trainer would, in lockstep."""
+def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: str, mode: str = "fsdp2") -> None:
+    """One FSDP2 (or FSDP1) rank driving DeltaSyncCallback's Trainer hooks as a Trainer would, in lockstep."""
     import torch.distributed as dist
     import transformers
     from torch.distributed.fsdp import fully_shard
@@ -120,10 +128,15 @@ def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: s
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = make_model(seed=0)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        if mode == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        else:
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
         state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
@@ -140,7 +153,7 @@ def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: s
             callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
             callback.on_log(None, state, None, logs=logs)
         callback.on_train_end(None, state, None)
-        state_dict = full_state(model)
+        state_dict = full_state(model) if mode == "fsdp2" else fsdp1_state(model)
         if rank == 0:
             torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
             Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))

@@ -105,8 +105,9 @@ class _DeltaSyncGeneration(_BaseGeneration):  # type: ignore[misc, valid-type]
     def sync_weights(self) -> None:
         if self.mode != "server":
             return super().sync_weights()
-        if self.accelerator.is_main_process:  # the other ranks receive the main process's generations
-            self._deltasync.sync()  # the follower resets the server's prefix cache after each apply
+        # Every rank: under FSDP each takes part in publishing; only the main process waits for replicas
+        # (the other ranks receive its generations). The follower resets the server's prefix cache.
+        self._deltasync.sync()
         return None
 
 

@@ -46,9 +46,13 @@ Distributed training:
   hooks run on every rank in lockstep, as the publisher's collectives need.
   Tested with real FSDP2 on 2 gloo ranks driving these hooks; a full
   ``accelerate launch`` of a Trainer with FSDP2 has not been run here (CPU only).
-- FSDP1 (flat parameters) and DeepSpeed ZeRO-3 are refused at
-  ``on_train_begin`` with ``NotImplementedError`` naming the way out (FSDP2),
-  and so are PEFT models (replicas would need merged weights).
+- FSDP1: around each publish every rank takes part in gathering the full
+  parameters (``summon_full_params``, to rank 0's CPU memory), and the main
+  process diffs and publishes them; only copies outlive the gather. Costs one
+  full gather per published version. Tested with real FSDP1 on 2 gloo ranks.
+- DeepSpeed ZeRO-3 is refused at ``on_train_begin`` with
+  ``NotImplementedError`` naming the ways out, and so are PEFT models
+  (replicas would need merged weights).
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self._unlogged: list[PublishInfo] = []
         self._waited_s, self._waits, self._replica_version = 0.0, 0, None
         self._run_id: str | None = None
+        self._fsdp1: Any = None  # the FSDP1-wrapped model, whose weights every rank gathers to publish
 
     # ------------------------------------------------------------------ wiring
 
@@ -170,11 +175,14 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self._state = state
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
-        if _is_fsdp2(model):  # every rank publishes its shard (collectives: all ranks take part)
+        kind = _sharding(model)
+        if kind == "fsdp2":  # every rank publishes its shard (collectives: all ranks take part)
             if self.publisher is None:
                 from ..sharded import ShardedPublisher
 
                 self.publisher = ShardedPublisher(model, self.store, on_publish=self._collect, **self.publisher_options)
+        elif kind == "fsdp1":  # every rank takes part in each gather; the main process publishes
+            self._fsdp1 = model  # the publisher is made inside the first gather (it reads the full shapes)
         elif not state.is_world_process_zero:
             return  # one writer per run prefix: the world's main process
         elif self.publisher is None:
@@ -183,7 +191,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._state = state
-        if self.publisher is not None and state.global_step % self.every == 0:
+        if self._publishing and state.global_step % self.every == 0:
             self._publish(state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -197,12 +205,15 @@ class DeltaSyncCallback(transformers.TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._state = state
-        if self.publisher is None:
+        if not self._publishing:
             return
         try:
-            if self._published_step != state.global_step:
-                self.publisher.publish(state.global_step, block=True)  # the final weights, whatever ``every`` is
-            self.publisher.close()  # flush: raises what failed in the background
+            # The final weights, whatever ``every`` is; under FSDP1 always (a coalesced publish could
+            # not be redone by close(): the gathered weights are gone by then).
+            if self._published_step != state.global_step or self._fsdp1 is not None:
+                self._publish(state.global_step, block=True)
+            if self.publisher is not None:
+                self.publisher.close()  # flush: raises what failed in the background
         except DeltaSyncError:
             logger.exception("deltasync: the final weights may not be published")
             raise
@@ -221,19 +232,22 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         Raises:
             `ReplicaTimeout`: the watched replicas did not get there within ``wait_timeout``.
         """
-        if self.publisher is None:
-            if self._state is not None and not self._state.is_world_process_zero:
-                return None
+        if self._state is None:
             raise RuntimeError("the callback has not started: Trainer.train() calls on_train_begin() first")
+        if not self._publishing:
+            return None  # a data-parallel rank that does not publish
         step = self._state.global_step if step is None else step
         if self.sync_mode == "on_policy":
             if self._published_step != step:
-                self.publisher.publish(step, block=True)
-                self._published_step = step
+                self._publish(step, block=True)
+            if self.publisher is None:
+                return None  # an FSDP1 rank: it took part in the gather
             self.publisher.flush()  # commits a coalesced publish too: the newest weights are a version now
             if not self._state.is_world_process_zero:
                 return None  # a sharded rank: its shard is in; the main process waits for replicas
             target = self.publisher.version
+        elif self.publisher is None:
+            return None
         elif self.max_staleness is None:
             return self.publisher.version
         else:
@@ -322,9 +336,25 @@ class DeltaSyncCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------ internals
 
-    def _publish(self, step: int) -> None:
-        assert self.publisher is not None
-        self.publisher.publish(step)  # coalesced if the previous upload is still running: flush() covers it
+    @property
+    def _publishing(self) -> bool:
+        """Whether this process takes part in publishing (the writer, a shard owner, or an FSDP1 rank)."""
+        return self.publisher is not None or self._fsdp1 is not None
+
+    def _publish(self, step: int, *, block: bool = False) -> None:
+        """Publish (coalesced if the previous upload still runs: flush() covers it); under FSDP1 every
+        rank gathers the full weights first and the main process diffs them."""
+        if self._fsdp1 is None:
+            assert self.publisher is not None
+            self.publisher.publish(step, block=block)
+        else:
+            with _full_weights(self._fsdp1):
+                if self._state.is_world_process_zero:
+                    full = _unwrapped_names(self._fsdp1)
+                    if self.publisher is None:
+                        self.publisher = Publisher(full, self.store, on_publish=self._collect, **self.publisher_options)
+                    self.publisher.model = full
+                    self.publisher.publish(step, block=block)  # diffs here; only copies leave the context
         self._published_step = step
 
     def _collect(self, info: PublishInfo) -> None:  # publisher worker thread
@@ -366,29 +396,51 @@ def _server_version(url: str, run_id: str | None) -> int | None:
     return parse_version_label(label, run_id)  # None: nothing applied yet, or another run's version
 
 
-def _is_fsdp2(model: Any) -> bool:
-    """Whether ``model`` holds DTensor parameters (FSDP2); refuse what cannot be published."""
+def _sharding(model: Any) -> str | None:
+    """``"fsdp2"`` (DTensor parameters), ``"fsdp1"`` (FSDP-wrapped modules) or ``None``; refuse the rest."""
     if hasattr(model, "peft_config"):
         raise NotImplementedError(
             "DeltaSyncCallback does not merge PEFT adapters: replicas would receive adapter tensors their "
             "checkpoint does not have. Merge first, or publish merged weights from your own loop."
         )
-    dtensor = False
+    found = None
     for name, param in model.named_parameters():
         kind = None
         if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
-            dtensor = True
+            found = "fsdp2"
         elif hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
             kind = "DeepSpeed ZeRO-3"
         elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
-            kind = "FSDP1"
+            found = "fsdp1"
         if kind is not None:
             raise NotImplementedError(
-                f"DeltaSyncCallback does not support {kind} (parameter {name!r}): its flattened or partitioned "
-                "parameters hide the rows each rank holds. Use FSDP2 (fully_shard; each rank then publishes its "
-                "own shard), DDP, or publish a gathered state dict from your own loop (Publisher(state_dict, store))."
+                f"DeltaSyncCallback does not support {kind} (parameter {name!r}): its partitioned parameters "
+                "cannot be gathered here. Use FSDP2 (fully_shard; each rank then publishes its own shard), FSDP1, "
+                "DDP, or publish a gathered state dict from your own loop (Publisher(state_dict, store))."
             )
-    return dtensor
+    return found
+
+
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _unwrapped_names(model: Any) -> dict[str, Any]:
+    """The parameters under their checkpoint names (wrapper segments removed), as FSDP1 shows them gathered."""
+    out = {}
+    for name, param in model.named_parameters():
+        for segment in _WRAPPER_SEGMENTS:
+            name = name.replace(segment, "")
+        out[name] = param
+    return out
+
+
+def _full_weights(model: Any) -> Any:
+    """FSDP1: every rank takes part in gathering the full parameters; rank 0 holds them (in host memory)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # Offloading moves accelerator memory to the host; for parameters already on the CPU it must be off.
+    offload = any(p.device.type != "cpu" for p in model.parameters())
+    return FullyShardedDataParallel.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=offload)
 
 
 def __getattr__(name: str) -> Any:
