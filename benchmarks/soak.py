@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import queue
@@ -50,7 +49,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, loopback_store, machine, write_json  # noqa: E402
 
-from deltasync import manifest as manifest_module  # noqa: E402
 from deltasync._workload import make_weights, train_step  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys  # noqa: E402
@@ -242,7 +240,7 @@ class Soak:
         store = open_store(self.url, **self.options)
         self.publisher = Publisher(
             weights, self.url, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors,
-            on_publish=self.on_publish, **self.options,
+            retire_grace_s=args.grace, on_publish=self.on_publish, **self.options,
         )
         for i in range(args.replicas - 1):
             self.spawn(f"replica-{i}")
@@ -375,9 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="soak", help="results/<name>.json")
     args = parser.parse_args(argv)
 
-    import deltasync.publisher
-
-    deltasync.publisher.deletable = functools.partial(manifest_module.deletable, grace=args.grace)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         options: dict[str, Any] = {}
         if args.moto:  # in its own process: moto keeps objects in memory, which is not the trainer's

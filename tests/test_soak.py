@@ -13,7 +13,6 @@ retention promises. ``benchmarks/soak.py`` is the long variant, with processes.
 
 from __future__ import annotations
 
-import functools
 import random
 import threading
 import traceback
@@ -23,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import manifest as manifest_module
 from deltasync._workload import make_weights, train_step
 from deltasync.appliers import TorchModuleApplier
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys
@@ -97,11 +95,10 @@ class Follower(threading.Thread):
             self.error = traceback.format_exc()
 
 
-def test_soak_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_soak_quick(tmp_path: Path) -> None:
     # Retired objects are deleted at the first manifest write after their grace; 0 s instead of
     # 300 s makes the store's size a function of versions alone (replicas may then lose an object
     # mid-download and must recover: part of what this soaks).
-    monkeypatch.setattr("deltasync.publisher.deletable", functools.partial(manifest_module.deletable, grace=0.0))
     url = str(tmp_path / "run")
     weights = make_weights()
     snapshot_digests: dict[int, str] = {}
@@ -123,7 +120,7 @@ def test_soak_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     samples: list[tuple[int, int]] = []
     g = torch.Generator().manual_seed(0)
     pub = holder["pub"] = Publisher(
-        weights, url, anchor_every=ANCHOR_EVERY, keep_anchors=KEEP_ANCHORS, on_publish=on_publish
+        weights, url, anchor_every=ANCHOR_EVERY, keep_anchors=KEEP_ANCHORS, retire_grace_s=0.0, on_publish=on_publish
     )
     step = 0
     while pub.version is None or pub.version < VERSIONS:
