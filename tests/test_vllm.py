@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ pytestmark = [
 ]
 
 from deltasync.appliers._vllm_wire import pack  # noqa: E402
-from deltasync.errors import DeltaSyncError, FingerprintMismatch, IntegrityError  # noqa: E402
+from deltasync.errors import FingerprintMismatch, IntegrityError  # noqa: E402
 from deltasync.format import Header  # noqa: E402
 from deltasync.publisher import Publisher  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
@@ -152,6 +153,11 @@ class TestTensorParallel:
             assert {r["version"] for r in follower._rpc("deltasync_version")} == {pub.version}
 
 
+def _logprob_gap(a: list[Any], b: list[Any]) -> float:
+    """Largest difference between the sampled tokens' logprobs of two greedy runs."""
+    return max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb))
+
+
 class TestPackedFallback:
     def test_cpu_packed_layers_exact_from_anchor(self, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
         from deltasync.appliers.vllm_follower import VLLMFollower
@@ -178,4 +184,10 @@ class TestPackedFallback:
         # Reference: a fresh engine started from the same weights on disk (same kernels).
         ref_dir = save_checkpoint(weights, smollm2, tmp_path_factory.mktemp("ref") / "ckpt")
         with engine(ref_dir, plain=False, extension=False) as ref:
-            assert greedy(ref, logprobs=1) == patched
+            reference = greedy(ref, logprobs=1)
+        # The weights are compared bit for bit above; outputs of two engine instances are not bitwise
+        # reproducible on a loaded CPU (oneDNN picks its blocking by the threads it gets). Stale packed
+        # weights would give the initial outputs: same tokens as the reference, and logprobs far closer
+        # to it than to the initial ones.
+        assert [tokens for tokens, _ in reference] == [tokens for tokens, _ in patched]
+        assert _logprob_gap(reference, patched) < 0.25 * _logprob_gap(initial, patched)
