@@ -89,6 +89,46 @@ class TestPlainWeights:
         labels = [s.version for s in out[0].outputs[0].weight_versions]
         assert labels == [f"{pub.version}@{sub.run_id[:12]}"]  # the version, tied to the run
 
+    def test_sharded_version_applies_exactly_with_one_batched_lookup(self, plain_run, tmp_path: Path) -> None:
+        """A version written as two trainer-rank shards (rows split in half) reaches the engine exactly."""
+        import hashlib
+        import time
+
+        from deltasync.diff import Snapshot, diff
+        from deltasync.format import encode_delta
+        from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef, VersionEntry
+        from deltasync.sharded import chunk_rows
+        from deltasync.stores import open_store
+        from deltasync.tensors import TensorSpec
+
+        _, follower, _, trainer, _ = plain_run
+        before = trainer.bf16()  # what the engine holds now (the previous test ended exact)
+        url = str(tmp_path / "sharded")
+        with Publisher(before, url) as anchor:  # v0: the engine's current weights
+            anchor.publish(0, block=True)
+        trainer.step()
+        after = trainer.bf16()
+        specs = tuple(TensorSpec.of(n, t) for n, t in before.items())
+        store = open_store(url)
+        refs = []
+        for rank in range(2):
+            rows = {n: chunk_rows(t.shape[0], 2, rank) for n, t in before.items()}
+            mine = {n: before[n][a:b] for n, (a, b) in rows.items()}
+            changes = diff(Snapshot.capture(mine), {n: after[n][a:b] for n, (a, b) in rows.items()})
+            data = encode_delta(changes, version=1, base_version=0, model=specs, rows=rows)
+            key = f"deltas/0000000001-shard-r{rank:05d}.safetensors"
+            store.put(key, data)
+            refs.append(ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), rank))
+        manifest = Manifest.from_bytes(store.get(MANIFEST_KEY))
+        entry = VersionEntry(1, step=1, time=time.time(), nnz=1, delta=tuple(refs))
+        store.put(MANIFEST_KEY, manifest.with_version(entry, now=time.time(), lease_s=0.0).to_bytes())
+        with follower.subscriber(url, ack=False, start_version=0, run_id=manifest.run_id) as sub:
+            calls = follower.rpc_calls
+            info = sub.update()
+            assert info is not None and info.version == 1 and info.route == ("delta",)
+            assert follower.rpc_calls - calls == 2  # the shards' bases in one batched lookup, one apply
+        assert_engine_exact(follower, after)
+
     def test_bad_deltas_refused_and_outputs_unchanged(self, plain_run, tmp_path: Path) -> None:
         llm, follower, sub, trainer, pub = plain_run
         before, version = greedy(llm), follower.engine_version()

@@ -250,7 +250,9 @@ class VLLMFollower:
         self._pending: int | None = None
         self._subscriber: Any = None
         self._step: list[Header] = []
-        self._bases: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Prefetched base bits by (tensor, first index): one entry per file that carries the tensor
+        # (several when a sharded trainer wrote it in slices).
+        self._bases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefetched = False
         self._tapped: OrderedDict[str, bytes] = OrderedDict()
         self._tap_lock = threading.Lock()
@@ -310,7 +312,7 @@ class VLLMFollower:
         if not self._prefetched:
             self._prefetched = True
             self._bases = self._prefetch()
-        cached = self._bases.pop(name, None)
+        cached = self._bases.pop((name, int(indices[0])), None) if indices.size else None
         if cached is not None and np.array_equal(cached[0], indices):
             return cached[1]
         return self._lookup_many({name: indices})[name]
@@ -377,9 +379,9 @@ class VLLMFollower:
 
     # ------------------------------------------------------------------ internals
 
-    def _prefetch(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _prefetch(self) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
         """Decode this step's changed indices from the tapped bytes; fetch every base in one call."""
-        wanted: dict[str, np.ndarray] = {}
+        pieces: dict[str, list[np.ndarray]] = {}
         for header in self._step:
             blob = self._find_blob(header)
             if blob is None:
@@ -394,13 +396,21 @@ class VLLMFollower:
                 if part is None:
                     continue
                 try:
-                    wanted[name] = decode_indices(part, entry.params, entry.spec, entry.nnz)
+                    local = decode_indices(part, entry.params, entry.local_spec, entry.nnz)
                 except DeltaSyncError:
                     continue  # the real decode reports it
-        if not wanted:
+                if local.size:  # flat in the full tensor, as the decoder will ask for them
+                    pieces.setdefault(name, []).append(local + entry.offset)
+        if not pieces:
             return {}
-        bases = self._lookup_many(wanted)
-        return {name: (wanted[name], bases[name]) for name in wanted}
+        for found in pieces.values():
+            found.sort(key=lambda idx: int(idx[0]))  # shards hold disjoint rows: ascending when joined
+        bases = self._lookup_many({name: np.concatenate(found) for name, found in pieces.items()})
+        out = {}
+        for name, found in pieces.items():
+            for idx, bits in zip(found, np.split(bases[name], np.cumsum([i.size for i in found[:-1]]))):
+                out[(name, int(idx[0]))] = (idx, bits)
+        return out
 
     def _find_blob(self, header: Header) -> bytes | None:
         with self._tap_lock:
