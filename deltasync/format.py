@@ -82,6 +82,11 @@ Rows = tuple[int, int]
 """``[start, stop)`` along dim 0 of a tensor: the part of it one shard file carries."""
 
 
+def slice_spec(spec: TensorSpec, rows: Rows) -> TensorSpec:
+    """The spec of rows ``[start, stop)`` (dim 0) of the tensor ``spec`` describes."""
+    return TensorSpec(spec.name, (rows[1] - rows[0], *spec.shape[1:]), spec.dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """What a file says about one tensor it carries."""
@@ -101,9 +106,7 @@ class TensorEntry:
     @property
     def local_spec(self) -> TensorSpec:
         """The spec of what the file carries: the full tensor, or its slice of ``rows``."""
-        if self.rows is None:
-            return self.spec
-        return TensorSpec(self.spec.name, (self.rows[1] - self.rows[0], *self.spec.shape[1:]), self.spec.dtype)
+        return self.spec if self.rows is None else slice_spec(self.spec, self.rows)
 
     @property
     def offset(self) -> int:
@@ -211,8 +214,7 @@ def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows
         spec = by_name.get(local.name, local)
         window = (rows or {}).get(local.name)
         if window is not None:
-            expected = TensorEntry(spec, "dense", 0, rows=window).local_spec
-            if not spec.shape or not 0 <= window[0] <= window[1] <= spec.shape[0] or expected != local:
+            if not spec.shape or not 0 <= window[0] <= window[1] <= spec.shape[0] or slice_spec(spec, window) != local:
                 raise ValueError(f"{local.name}: slice {local} does not match rows {window} of {spec}")
         elif spec != local:
             raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")

@@ -322,11 +322,9 @@ class ShardedPublisher(Publisher):
         self, gathered: list[tuple[Any, ...]], version: int, step: int | None, kind: str
     ) -> tuple[Any, ...]:
         """Rank 0: write the version's manifest entry if every rank's shard is in the store."""
-        refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
-        errors = [g[1] for g in gathered if g[0] != "ok"]
-        if errors:
-            self._discard(refs)
-            return ("error", "; ".join(errors), False)
+        refs, failed = self._collect(gathered)
+        if failed is not None:
+            return failed
         if not refs:
             return ("empty",)
         assert self._manifest is not None
@@ -341,6 +339,16 @@ class ShardedPublisher(Publisher):
         if kind == "delta":
             self._since_anchor += sum(r.size for r in refs)
         return ("committed", version, kind == "delta" and self._anchor_due(version))
+
+    def _collect(self, gathered: list[tuple[Any, ...]]) -> tuple[tuple[ObjectRef, ...], tuple[Any, ...] | None]:
+        """Rank 0: every rank's uploaded objects, and the error outcome if any rank failed (its
+        partners' objects are then deleted: that version will not be committed)."""
+        refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
+        errors = [g[1] for g in gathered if g[0] != "ok"]
+        if not errors:
+            return refs, None
+        self._discard(refs)
+        return refs, ("error", "; ".join(errors), False)
 
     def _discard(self, refs: tuple[ObjectRef, ...]) -> None:
         """Delete the shards of a version that will not be committed (best effort; gc sweeps the rest)."""
@@ -386,11 +394,9 @@ class ShardedPublisher(Publisher):
         gathered = self._gather(mine)
         outcome: tuple[Any, ...] = ("ok",)
         if self.is_writer:
-            refs = tuple(ObjectRef.from_json(r) for g in gathered if g[0] == "ok" for r in g[1])
-            errors = [g[1] for g in gathered if g[0] != "ok"]
-            if errors:
-                self._discard(refs)
-                outcome = ("error", "; ".join(errors), False)
+            refs, failed = self._collect(gathered)
+            if failed is not None:
+                outcome = failed
             else:
                 try:
                     self._attach_anchor(version, refs)
