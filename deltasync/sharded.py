@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .diff import ChangeSet, Snapshot, diff
-from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
+from .errors import ConflictError, FingerprintMismatch, StoreError
 from .manifest import ObjectRef, VersionEntry
 from .publisher import Publisher
 from .stores import Store
@@ -211,6 +211,25 @@ class ShardedPublisher(Publisher):
         self._vote = dist.new_group(backend="gloo")
         self._sync = dist.new_group(backend="gloo")
 
+    def close(self) -> None:
+        """Flush, release the worker threads and the store, then this publisher's two process groups.
+
+        A collective, like :meth:`publish`. The groups are destroyed here, while the
+        interpreter is fully alive: a gloo group left to be collected at interpreter exit
+        can abort the process (its C++ threads outlive the objects they serve).
+        """
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            self.model, self._local = {}, dict  # no reference to the training model outlives close()
+            groups, self._vote, self._sync = (self._vote, self._sync), None, None
+            if all(g is not None for g in groups) and self._dist.is_initialized():
+                self._dist.barrier(group=groups[0])  # every rank's last collective on them is done
+                for group in groups:
+                    self._dist.destroy_process_group(group)
+
     @property
     def is_writer(self) -> bool:
         """Whether this rank writes the manifest (rank 0)."""
@@ -349,14 +368,6 @@ class ShardedPublisher(Publisher):
             return refs, None
         self._discard(refs)
         return refs, ("error", "; ".join(errors), False)
-
-    def _discard(self, refs: tuple[ObjectRef, ...]) -> None:
-        """Delete the shards of a version that will not be committed (best effort; gc sweeps the rest)."""
-        for ref in refs:
-            try:
-                self.store.delete(ref.key)
-            except DeltaSyncError:
-                pass
 
     def _settle(self, outcome: tuple[Any, ...]) -> None:
         """Every rank: take a failed outcome to heart the same way."""

@@ -12,6 +12,7 @@ publisher itself never gathers the model.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import traceback
@@ -42,10 +43,37 @@ def fsdp1_state(model: Any) -> dict[str, torch.Tensor]:
         return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _run_rank(body: Any, rank: int, world: int, init: str, out: str, *args: Any) -> None:
+    """Join the gloo group, run ``body(rank, world, *args)``, record a failure, and tear down in order.
+
+    The model and the publisher are dropped, and their reference cycles collected (FSDP's
+    hooks hold the model, the model holds process groups), before ``destroy_process_group``:
+    a gloo group that survives until interpreter exit aborts the process there (SIGABRT,
+    "terminate called without an active exception"), about one run in four.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        body(rank, world, *args)
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def rank_main(
     rank: int, world: int, init: str, mode: str, steps: int, url: str, options: dict[str, Any], out: str
 ) -> None:
     """One trainer rank; rank 0 writes ``result.json`` (digests per version) and ``final.pt``."""
+    _run_rank(_publishing_rank, rank, world, init, out, mode, steps, url, options, out)
+
+
+def _publishing_rank(
+    rank: int, world: int, mode: str, steps: int, url: str, options: dict[str, Any], out: str
+) -> None:
     import torch.distributed as dist
 
     from deltasync.errors import StoreError
@@ -63,102 +91,91 @@ def rank_main(
         store.inject("put", fail["prefix"])
         options = {}
     failures = 0
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        model = make_model(seed=0)
-        if mode in ("fsdp", "hsdp"):
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+    model = make_model(seed=0)
+    if mode in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            # HSDP: shard within groups of world/2 ranks, replicate across the two groups.
-            mesh = None
-            if mode == "hsdp":
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            published: Any = model
-        else:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-            published = model.module
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        digests: dict[int, str] = {}
-        with ShardedPublisher(published, store, **options) as publisher:
-            for step in range(steps + 1):
-                if step:
-                    g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
-                    x = torch.randn(8, 48, generator=g)
-                    loss = (model(x) - x).pow(2).mean()
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                before = publisher.version
-                publisher.publish(step, block=True)  # block: one version per step, so digests map to versions
-                try:
-                    publisher.flush()
-                except StoreError:
-                    failures += 1  # every rank sees the failed version; the next one covers it
-                state = full_state(model)
-                if rank == 0 and publisher.version != before:
-                    digests[publisher.version] = digest(state.items())  # type: ignore[index]
-            stats = {"published": publisher.stats.published, "bytes": publisher.stats.bytes, "failures": failures}
-        state = full_state(model)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, stats)
-        if rank == 0:
-            torch.save({k: v.to(torch.bfloat16) for k, v in state.items()}, os.path.join(out, "final.pt"))
-            Path(out, "result.json").write_text(json.dumps({"digests": digests, "ranks": gathered}))
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+        # HSDP: shard within groups of world/2 ranks, replicate across the two groups.
+        mesh = None
+        if mode == "hsdp":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        published: Any = model
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        published = model.module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    digests: dict[int, str] = {}
+    with ShardedPublisher(published, store, **options) as publisher:
+        for step in range(steps + 1):
+            if step:
+                g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+                x = torch.randn(8, 48, generator=g)
+                loss = (model(x) - x).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            before = publisher.version
+            publisher.publish(step, block=True)  # block: one version per step, so digests map to versions
+            try:
+                publisher.flush()
+            except StoreError:
+                failures += 1  # every rank sees the failed version; the next one covers it
+            state = full_state(model)
+            if rank == 0 and publisher.version != before:
+                digests[publisher.version] = digest(state.items())  # type: ignore[index]
+        stats = {"published": publisher.stats.published, "bytes": publisher.stats.bytes, "failures": failures}
+    state = full_state(model)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, stats)
+    if rank == 0:
+        torch.save({k: v.to(torch.bfloat16) for k, v in state.items()}, os.path.join(out, "final.pt"))
+        Path(out, "result.json").write_text(json.dumps({"digests": digests, "ranks": gathered}))
 
 
 def callback_main(rank: int, world: int, init: str, steps: int, url: str, out: str, mode: str = "fsdp2") -> None:
     """One FSDP2 (or FSDP1) rank driving DeltaSyncCallback's Trainer hooks as a Trainer would, in lockstep."""
-    import torch.distributed as dist
+    torch.set_num_threads(1)
+    _run_rank(_callback_rank, rank, world, init, out, steps, url, out, mode)
+
+
+def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: str) -> None:
     import transformers
     from torch.distributed.fsdp import fully_shard
 
     from deltasync.integrations import DeltaSyncCallback
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        model = make_model(seed=0)
-        if mode == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
+    model = make_model(seed=0)
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
-        else:
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
-        state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
-        callback.on_train_begin(None, state, None, model=model)
-        logs: dict[str, float] = {}
-        for step in range(1, steps + 1):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(8, 48, generator=g)
-            (model(x) - x).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            state.global_step = step
-            callback.on_step_end(None, state, None)
-            callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
-            callback.on_log(None, state, None, logs=logs)
-        callback.on_train_end(None, state, None)
-        state_dict = full_state(model) if mode == "fsdp2" else fsdp1_state(model)
-        if rank == 0:
-            torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
-            Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    else:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
+    state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
+    callback.on_train_begin(None, state, None, model=model)
+    logs: dict[str, float] = {}
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 48, generator=g)
+        (model(x) - x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+        callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
+        callback.on_log(None, state, None, logs=logs)
+    callback.on_train_end(None, state, None)
+    state_dict = full_state(model) if mode == "fsdp2" else fsdp1_state(model)
+    if rank == 0:
+        torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
+        Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))

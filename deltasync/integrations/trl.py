@@ -49,7 +49,10 @@ Distributed training:
 - FSDP1: around each publish every rank takes part in gathering the full
   parameters (``summon_full_params``, to rank 0's CPU memory), and the main
   process diffs and publishes them; only copies outlive the gather. Costs one
-  full gather per published version. Tested with real FSDP1 on 2 gloo ranks.
+  full gather per published version, and such a publish is never coalesced:
+  the main process first waits for the previous upload (which had a training
+  step to finish), because a coalesced publish would be redone outside the
+  gather. Tested with real FSDP1 on 2 gloo ranks.
 - DeepSpeed ZeRO-3 is refused at ``on_train_begin`` with
   ``NotImplementedError`` naming the ways out, and so are PEFT models
   (replicas would need merged weights).
@@ -59,14 +62,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, NoReturn
 
-from ..errors import DeltaSyncError, ReplicaTimeout, require
+from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..manifest import MANIFEST_KEY, Manifest
 from ..publisher import Publisher, PublishInfo
 from ..stores import Store
@@ -122,16 +126,18 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         wait_timeout: float = WAIT_TIMEOUT_S,
         **publisher_options: Any,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, not {every}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"every must be an integer >= 1, not {every!r}", argument="every")
         if sync not in ("async", "on_policy"):
-            raise ValueError(f"sync must be 'async' or 'on_policy', not {sync!r}")
-        if max_staleness is not None and (sync == "on_policy" or max_staleness < 0):
-            raise ValueError("max_staleness is a non-negative number of versions, for sync='async' only")
-        if isinstance(replicas, str) or (isinstance(replicas, int) and replicas < 1):
-            raise ValueError("replicas is a positive count or a list of replica ids")
-        if wait_timeout <= 0:
-            raise ValueError("wait_timeout must be positive")
+            raise ConfigError(f"sync must be 'async' or 'on_policy', not {sync!r}", argument="sync")
+        if max_staleness is not None and (sync == "on_policy" or not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ConfigError(
+                "max_staleness is a non-negative number of versions, for sync='async' only", argument="max_staleness"
+            )
+        if isinstance(replicas, (str, bool)) or (isinstance(replicas, int) and replicas < 1):
+            raise ConfigError("replicas is a positive count or a list of replica ids", argument="replicas")
+        if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)) or not 0 < wait_timeout < math.inf:
+            raise ConfigError(f"wait_timeout must be a positive number of seconds, not {wait_timeout!r}", argument="wait_timeout")
         self.store, self.every, self.sync_mode = store, every, sync
         self.max_staleness, self.wait_timeout = max_staleness, wait_timeout
         self.replicas = None if replicas is None or isinstance(replicas, int) else list(replicas)
@@ -217,6 +223,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         except DeltaSyncError:
             logger.exception("deltasync: the final weights may not be published")
             raise
+        finally:
+            self._release()
 
     # ------------------------------------------------------------------ sync
 
@@ -354,8 +362,22 @@ class DeltaSyncCallback(transformers.TrainerCallback):
                     if self.publisher is None:
                         self.publisher = Publisher(full, self.store, on_publish=self._collect, **self.publisher_options)
                     self.publisher.model = full
-                    self.publisher.publish(step, block=block)  # diffs here; only copies leave the context
+                    try:
+                        # Never coalesced: a coalesced publish is redone later by flush() or close(),
+                        # outside this gather, where the full parameters are freed. So wait for the
+                        # previous upload (it had a whole training step to finish) and diff now.
+                        self.publisher.publish(step, block=True)  # only copies leave the context
+                    finally:
+                        self.publisher.model = _NotGathered()
         self._published_step = step
+
+    def _release(self) -> None:
+        """Drop what ties this callback to the model and the publisher to this callback, so both can
+        be freed (and a sharded model's process groups destroyed) before the interpreter exits."""
+        self._fsdp1 = None
+        if self.publisher is not None:
+            self.publisher.on_publish = None  # the publisher stays readable: version, stats
+            self.publisher.model = {}
 
     def _collect(self, info: PublishInfo) -> None:  # publisher worker thread
         with self._lock:
@@ -432,6 +454,26 @@ def _unwrapped_names(model: Any) -> dict[str, Any]:
             name = name.replace(segment, "")
         out[name] = param
     return out
+
+
+class _NotGathered(Mapping[str, Any]):
+    """Stands in for FSDP1's full parameters outside the gather: reading them is a bug, said loudly
+    (the freed shards could otherwise be read as garbage weights)."""
+
+    def _refuse(self) -> NoReturn:
+        raise RuntimeError(
+            "FSDP1's full parameters exist only inside summon_full_params; a publish outside it "
+            "would read freed shards. Publish through DeltaSyncCallback's hooks on every rank."
+        )
+
+    def __getitem__(self, name: str) -> Any:
+        self._refuse()
+
+    def __iter__(self) -> Iterator[str]:
+        self._refuse()
+
+    def __len__(self) -> int:
+        self._refuse()
 
 
 def _full_weights(model: Any) -> Any:
