@@ -87,8 +87,8 @@ class CountingStore(DelegatingStore):
             self.counts[f"{kind}_requests"] += 1
             self.counts[f"{kind}_bytes"] += nbytes
 
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        data = self.inner.get(key, max_bytes=max_bytes)
         self._add(key, len(data))
         return data
 
@@ -97,8 +97,10 @@ class CountingStore(DelegatingStore):
         self._add(key, len(data))
         return data
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        got = self.inner.get_if_changed(key, etag)
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
+        got = self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
         self._add(key, len(got[0]) if got else 0)
         return got
 

@@ -217,9 +217,9 @@ class FaultyStore(DelegatingStore):
             raise self._error("lost-ack", "put", key)  # written, but the writer never hears so
         return info
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         fault = self._before("get", key)
-        data: bytes = self._call(lambda: self.inner.get(key))
+        data: bytes = self._call(lambda: self.inner.get(key, max_bytes=max_bytes))
         for prefix, fn in self.corrupt.items():
             if key.startswith(prefix):
                 data = fn(data)  # type: ignore[operator]
@@ -246,9 +246,11 @@ class FaultyStore(DelegatingStore):
         self._before("delete", key)
         self._call(lambda: self.inner.delete(key))
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
         fault = self._before("get_if_changed", key)
-        got = self._call(lambda: self.inner.get_if_changed(key, etag))
+        got = self._call(lambda: self.inner.get_if_changed(key, etag, max_bytes=max_bytes))
         if got is None or fault is None:
             return got  # type: ignore[no-any-return]
         return _cut(got[0], fault), got[1]

@@ -237,10 +237,10 @@ class _SlowStore(DelegatingStore):
         super().__init__(inner)
         self.delay = delay
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         if key != MANIFEST_KEY:
             time.sleep(self.delay)
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
 
 def _fill_in_child(url: str, cache: str, key: str, barrier: Any, results: Any) -> None:

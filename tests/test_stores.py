@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from deltasync.errors import ManifestError, ObjectNotFound, PreconditionFailed, StoreError
-from deltasync.stores import Store, open_store
-from deltasync.stores.base import check_key, retry
+from deltasync.errors import ConfigError, IntegrityError, ManifestError, ObjectNotFound, PreconditionFailed, StoreError
+from deltasync.stores import LocalStore, MemoryStore, Store, open_store
+from deltasync.stores.base import URL_FORMS, check_key, retry
 
 
 class TestReadWrite:
@@ -67,6 +69,43 @@ class TestReadWrite:
         again = store.get_if_changed("m", got[1].etag)
         assert again is not None and again[0] == b"v2"
         assert info.etag is None or again[1].etag != info.etag
+
+    # Bounded reads: every backend refuses an object larger than max_bytes (the size a manifest declares).
+
+    def test_get_max_bytes(self, store: Store) -> None:
+        data = bytes(range(256)) * 4
+        store.put("deltas/000001.safetensors", data)
+        assert store.get("deltas/000001.safetensors", max_bytes=len(data)) == data
+        assert store.get("deltas/000001.safetensors", max_bytes=len(data) * 10) == data
+        with pytest.raises(IntegrityError, match=rf"more than the {len(data) - 1} bytes this read allows") as info:
+            store.get("deltas/000001.safetensors", max_bytes=len(data) - 1)
+        assert info.value.key == "deltas/000001.safetensors" and info.value.limit == len(data) - 1
+        store.put("empty", b"")
+        assert store.get("empty", max_bytes=0) == b""
+        with pytest.raises(IntegrityError):
+            store.get("deltas/000001.safetensors", max_bytes=0)
+
+    def test_get_if_changed_max_bytes(self, store: Store) -> None:
+        store.put("manifest.json", b"m" * 100)
+        with pytest.raises(IntegrityError, match="'manifest.json'.*more than the 10 bytes") as info:
+            store.get_if_changed("manifest.json", None, max_bytes=10)
+        assert info.value.limit == 10
+        got = store.get_if_changed("manifest.json", None, max_bytes=100)
+        assert got is not None and got[0] == b"m" * 100
+        if got[1].etag is not None:  # unchanged: nothing is read, so no size is checked
+            assert store.get_if_changed("manifest.json", got[1].etag, max_bytes=10) is None
+
+    def test_max_bytes_of_missing_object(self, store: Store) -> None:
+        with pytest.raises(ObjectNotFound):
+            store.get("nope", max_bytes=10)
+        with pytest.raises(ObjectNotFound):
+            store.get_if_changed("nope", None, max_bytes=10)
+
+    def test_bad_max_bytes(self, store: Store) -> None:
+        store.put("k", b"v")
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="max_bytes must be a non-negative int"):
+                store.get("k", max_bytes=bad)  # type: ignore[arg-type]
 
 
 class TestConditionalWrites:
@@ -130,6 +169,103 @@ class TestOpenStore:
     def test_unknown_scheme(self) -> None:
         with pytest.raises(ValueError, match="registered"):
             open_store("gopher://x")
+
+    @pytest.mark.parametrize(
+        ("url", "match"),
+        [
+            ("", "must be a non-empty string"),
+            (None, "must be a non-empty string"),
+            (42, "must be a non-empty string"),
+            (b"/tmp/run", "must be a non-empty string"),
+            ("gs://x", "unknown store scheme 'gs' in 'gs://x'; registered:"),
+            ("ftp://x", "unknown store scheme 'ftp'"),
+            ("http://x", "unknown store scheme 'http'"),
+            ("https://example.com/run", "unknown store scheme 'https'"),
+            ("gs:/x", r"unknown store scheme 'gs'.*write '\./gs:/x'"),
+            ("s3:/bucket", r"'s3:/bucket' needs '//' after 's3:' \(did you mean 's3://bucket'\?\)"),
+            ("memory:run", r"needs '//' after 'memory:' \(did you mean 'memory://run'\?\)"),
+            ("hf:buckets/a/b", "needs '//' after 'hf:'"),
+        ],
+    )
+    def test_bad_urls_list_the_accepted_forms(self, url: Any, match: str) -> None:
+        with pytest.raises(ConfigError, match=match) as info:
+            open_store(url)
+        assert URL_FORMS in str(info.value)
+        assert isinstance(info.value, ValueError) and info.value.argument == "url"
+
+    @pytest.mark.parametrize(
+        ("url", "match"),
+        [
+            ("s3://", "S3 URL has no bucket; expected 's3://bucket' or 's3://bucket/prefix'"),
+            ("s3:///prefix", "S3 URL has no bucket"),
+            ("s3://bad bucket/x", "invalid S3 bucket name"),
+            ("s3://bucket/a/../b", "invalid S3 prefix"),
+            ("s3://bucket/p?versionId=1", "query or fragment"),
+            ("hf://my-org/my-model", "not an HF bucket URL.*repos are not stores"),
+            ("hf://buckets/only-namespace", "invalid bucket name ''"),
+            ("hf://buckets//name", "invalid namespace ''"),
+            ("hf://buckets/ns/name/../escape", "invalid prefix '../escape'"),
+            ("hf://buckets/ns/name/a?b=1", "invalid prefix"),
+            ("memory:/x", "needs '//'"),
+        ],
+    )
+    def test_bad_backend_urls(self, url: str, match: str) -> None:
+        # Refused while parsing the URL: no client is built, nothing is contacted.
+        with pytest.raises(ConfigError, match=match):
+            open_store(url)
+
+    @pytest.mark.parametrize(
+        ("url", "match"),
+        [
+            (
+                "file://run1",
+                r"in 'file://run1', 'run1' was read as a host name \(file://HOST/path\): "
+                r"write 'file:run1' or '\./run1' for a relative path, or 'file:///abs/path'",
+            ),
+            ("file://run1/sub", r"'run1' was read as a host name.*'file:run1/sub' or '\./run1/sub'"),
+            ("file://", "names no path"),
+            ("file:", "names no path"),
+            ("file:///tmp/x?y=1", "query or fragment"),
+            ("file:///tmp/x#frag", "query or fragment"),
+        ],
+    )
+    def test_bad_file_urls(self, url: str, match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
+            open_store(url)
+        with pytest.raises(ConfigError, match=match):
+            LocalStore.from_url(url)
+
+    def test_file_urls(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.chdir(tmp_path)
+        here = tmp_path.resolve()
+        cases = {
+            f"file://{here}/a": here / "a",
+            f"file://localhost{here}/b": here / "b",
+            f"file:{here}/c": here / "c",
+            "file:run1": here / "run1",
+            "file:run1/sub": here / "run1" / "sub",
+            f"file://{here}/with%20space": here / "with space",
+        }
+        for url, root in cases.items():
+            store = open_store(url)
+            assert isinstance(store, LocalStore) and store.root == root, url
+
+    def test_paths_with_colons_are_paths(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.chdir(tmp_path)
+        here = tmp_path.resolve()
+        for path in ["./a:b", "runs:7", "t=10:00", f"{here}/x:y", "2024-01-01T10:00"]:
+            store = open_store(path)
+            assert isinstance(store, LocalStore) and store.root == here / path.removeprefix("./").split("/")[-1]
+
+    def test_path_objects_and_stores(self, tmp_path: Path) -> None:
+        store = open_store(tmp_path / "run")
+        assert isinstance(store, LocalStore) and store.root == (tmp_path / "run").resolve()
+        memory = MemoryStore("open-store-passthrough")
+        assert open_store(memory) is memory
+
+    def test_cache_options_need_cache_dir(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError, match="cache_max_bytes needs cache_dir"):
+            open_store(str(tmp_path / "run"), cache_max_bytes=1 << 20)
 
 
 class TestRetry:

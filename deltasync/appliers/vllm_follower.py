@@ -64,7 +64,7 @@ import torch
 
 from ..codec import Decoded, get_codec
 from ..codec.compact import CompactCodec, decode_indices
-from ..errors import DeltaSyncError, TensorMismatch
+from ..errors import ConfigError, DeltaSyncError, TensorMismatch
 from ..format import Header, read_header
 from ..stores import Store, open_store
 from ..stores.wrap import DelegatingStore
@@ -237,9 +237,9 @@ class VLLMFollower:
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if mode not in ("inflight", "pause"):
-            raise ValueError(f"mode must be 'inflight' or 'pause', not {mode!r}")
+            raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
         if pause_mode not in ("wait", "abort"):
-            raise ValueError(f"pause_mode must be 'wait' or 'abort', not {pause_mode!r}")
+            raise ConfigError(f"pause_mode must be 'wait' or 'abort', not {pause_mode!r}", argument="pause_mode")
         self._engine = _Server(engine) if isinstance(engine, str) else _InProcess(engine)
         self.mode, self.pause_mode = mode, pause_mode
         self.specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
@@ -497,8 +497,8 @@ class _TapStore(DelegatingStore):
         super().__init__(inner)
         self._seen = seen
 
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        data = self.inner.get(key, max_bytes=max_bytes)
         if not key.endswith(".json"):
             self._seen(key, data)
         return data

@@ -3,14 +3,18 @@
 =========================================  =====================================
 URL                                        backend
 =========================================  =====================================
-``/some/dir``, ``file:///some/dir``        :class:`LocalStore` (the default)
+``/some/dir``, ``file:///some/dir``        :class:`LocalStore` (the default; also ``file:rel/dir``)
 ``memory://name``                          :class:`MemoryStore`
 ``s3://bucket/prefix``                     ``deltasync.stores.s3.S3Store`` (extra ``s3``)
 ``hf://buckets/namespace/name/prefix``     ``deltasync.stores.hf.HFBucketStore`` (extra ``hf``)
 =========================================  =====================================
 
 Backends register by scheme with a ``"module:Class"`` path and are imported on
-first use, so optional clients load only when their scheme is opened.
+first use, so optional clients load only when their scheme is opened. A URL that
+names no backend (``gs://x``, ``s3:/bucket``, ``file://run1``, ``""``) raises
+:class:`~deltasync.errors.ConfigError` listing the accepted forms, before anything
+is read. A path with a colon after its first segment (``./a:b``, ``runs/t=10:00``)
+is a path.
 
 Any of them can be read through a cache shared by the processes of a node:
 ``open_store(url, cache_dir="/dev/shm/deltasync")`` wraps the store in
@@ -20,9 +24,12 @@ Any of them can be read through a cache shared by the processes of a node:
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from typing import Any
 
-from .base import ObjectInfo, Store, check_key
+from ..errors import ConfigError
+from .base import URL_FORMS, ObjectInfo, Store, check_key
 from .local import LocalStore
 from .memory import MemoryStore
 
@@ -34,6 +41,9 @@ _BACKENDS: dict[str, str] = {
     "s3": "deltasync.stores.s3:S3Store",
     "hf": "deltasync.stores.hf:HFBucketStore",
 }
+
+# RFC 3986 scheme syntax: a letter, then letters, digits, "+", "-" or ".", then ":".
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 def register_store(scheme: str, target: str) -> None:
@@ -47,23 +57,25 @@ def register_store(scheme: str, target: str) -> None:
     _BACKENDS[scheme] = target
 
 
-def open_store(url: str | Store, **options: Any) -> Store:
+def open_store(url: str | os.PathLike[str] | Store, **options: Any) -> Store:
     """Open the store a URL names (a :class:`Store` passes through).
 
     Args:
-        url (`str`): a path, ``file://``, ``memory://``, ``s3://`` or ``hf://buckets/`` URL.
+        url (`str`, `os.PathLike` or `Store`): a path, ``file:///abs/path`` (also ``file:rel/path``),
+            ``memory://name``, ``s3://bucket/prefix`` or ``hf://buckets/namespace/name/prefix``.
         cache_dir (`str`, *optional*): read the manifest's objects through a cache in this directory,
             shared by the processes that name it (:class:`~deltasync.stores.cache.CachedStore`).
         cache_max_bytes (`int`, *optional*): the cache's size cap.
         **options: backend options (credentials, endpoint, ...), see each backend.
 
     Raises:
-        `ValueError`: unknown scheme, or cache options without ``cache_dir``.
+        `ConfigError`: the URL names no backend (empty, not a string, an unknown scheme, a malformed
+            URL; the message lists the accepted forms), or cache options without ``cache_dir``.
     """
     cache_dir = options.pop("cache_dir", None)
     cache_max_bytes = options.pop("cache_max_bytes", None)
     if cache_max_bytes is not None and cache_dir is None:
-        raise ValueError("cache_max_bytes needs cache_dir (the directory to cache in)")
+        raise ConfigError("cache_max_bytes needs cache_dir (the directory to cache in)", argument="cache_max_bytes")
     if cache_dir is not None:
         from .cache import DEFAULT_MAX_BYTES, CachedStore
 
@@ -73,9 +85,46 @@ def open_store(url: str | Store, **options: Any) -> Store:
         return CachedStore(inner, cache_dir, max_bytes=cache_max_bytes or DEFAULT_MAX_BYTES)
     if isinstance(url, Store):
         return url
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
-    if scheme not in _BACKENDS:
-        raise ValueError(f"unknown store scheme {scheme!r} in {url!r}; registered: {sorted(_BACKENDS)}")
-    module, cls = _BACKENDS[scheme].split(":")
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    module, cls = _BACKENDS[_scheme(url)].split(":")
     backend: Any = getattr(importlib.import_module(module), cls)
     return backend.from_url(url, **options)  # type: ignore[no-any-return]
+
+
+def _scheme(url: object) -> str:
+    """The registered scheme ``url`` names (``"file"`` for a plain path).
+
+    Raises:
+        `ConfigError`: ``url`` is empty or not a string, its scheme is unknown, or it looks like a
+            URL with a slash missing (``s3:/bucket``, ``memory:name``, ``gs:/x``).
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(
+            f"a store URL must be a non-empty string (or a Store), not {url!r}; use {URL_FORMS}", argument="url"
+        )
+    match = _SCHEME.match(url)
+    if match is None:
+        return "file"
+    scheme, rest = match.group(1), url[match.end() :]
+    if scheme == "file":
+        return scheme
+    if rest.startswith("//"):
+        if scheme in _BACKENDS:
+            return scheme
+        raise ConfigError(
+            f"unknown store scheme {scheme!r} in {url!r}; registered: {sorted(_BACKENDS)}; use {URL_FORMS}",
+            argument="url",
+        )
+    if scheme in _BACKENDS:
+        raise ConfigError(
+            f"{url!r} needs '//' after '{scheme}:' (did you mean '{scheme}://{rest.lstrip('/')}'?); use {URL_FORMS}",
+            argument="url",
+        )
+    if rest.startswith("/"):
+        raise ConfigError(
+            f"unknown store scheme {scheme!r} in {url!r}; registered: {sorted(_BACKENDS)}; use {URL_FORMS} "
+            f"(for a directory whose name holds a colon, write './{url}')",
+            argument="url",
+        )
+    return "file"  # a relative path whose first segment holds a colon: "runs:7", "t=10:00"

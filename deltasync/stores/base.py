@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal, TypeVar
 
-from ..errors import ManifestError, StoreError
+from ..errors import IntegrityError, ManifestError, StoreError
 
-__all__ = ["ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "retry"]
+__all__ = ["ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "check_limit", "check_size", "retry"]
 
 logger = logging.getLogger("deltasync.stores")
 
@@ -32,6 +32,11 @@ PutMode = Literal["overwrite", "create"]
 T = TypeVar("T")
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+URL_FORMS = (
+    "a path, 'file:///abs/path', 'memory://name', 's3://bucket/prefix' or 'hf://buckets/namespace/name/prefix'"
+)
+"""The store URLs :func:`~deltasync.stores.open_store` accepts, for error messages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,45 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_limit(max_bytes: int | None) -> int | None:
+    """Validate a read limit (``None``: unlimited).
+
+    Raises:
+        `ValueError`: ``max_bytes`` is not a non-negative integer.
+    """
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be a non-negative int or None, not {max_bytes!r}")
+    return max_bytes
+
+
+def check_size(
+    key: str, size: int, max_bytes: int | None, *, where: str, backend: str, at_least: bool = False
+) -> None:
+    """Refuse an object of ``size`` bytes when it is larger than ``max_bytes``.
+
+    Args:
+        key (`str`): the object's key (for the message and the error's context).
+        size (`int`): its size, from metadata or counted while reading.
+        max_bytes (`int`, *optional*): the caller's limit; ``None`` accepts any size.
+        where (`str`): the store's URL, for the message.
+        backend (`str`): the store's scheme, for the error's context.
+        at_least (`bool`, *optional*, defaults to `False`): ``size`` is a count of bytes read so far, not
+            the whole object's size.
+
+    Raises:
+        `IntegrityError`: ``size > max_bytes`` (context: ``key``, ``limit``, ``size``, ``backend``).
+    """
+    if max_bytes is not None and size > max_bytes:
+        raise IntegrityError(
+            f"{key!r} in {where} is {'at least ' if at_least else ''}{size} bytes, more than the "
+            f"{max_bytes} bytes this read allows; refused",
+            key=key,
+            limit=max_bytes,
+            size=size,
+            backend=backend,
+        )
+
+
 class Store(ABC):
     """A flat namespace of immutable-ish objects under one root."""
 
@@ -89,8 +133,19 @@ class Store(ABC):
         """
 
     @abstractmethod
-    def get(self, key: str) -> bytes:
-        """Read a whole object. Raises `ObjectNotFound` if missing."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Read a whole object.
+
+        Args:
+            key (`str`): the object's key.
+            max_bytes (`int`, *optional*): the largest object the caller accepts (e.g. the size a manifest
+                declares). A larger object is refused after reading at most ``max_bytes + 1`` bytes of it
+                (backends that know the size up front read none). ``None`` reads any size.
+
+        Raises:
+            `ObjectNotFound`: the key is missing. `IntegrityError`: the object is larger than ``max_bytes``.
+            `StoreError`: the read failed.
+        """
 
     @abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -108,15 +163,30 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove an object; removing a missing object is not an error."""
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
         """Read ``key`` unless its etag still equals ``etag`` (then return ``None``).
 
         Backends with conditional GET override this to save the transfer.
+
+        Args:
+            key (`str`): the object's key.
+            etag (`str`, *optional*): the etag of the copy the caller holds; ``None`` always reads.
+            max_bytes (`int`, *optional*): the largest object the caller accepts, as for :meth:`get`.
+
+        Returns:
+            `tuple[bytes, ObjectInfo]` or `None`: the bytes and what describes them, or ``None`` if unchanged.
+
+        Raises:
+            `ObjectNotFound`: the key is missing. `IntegrityError`: the object is larger than ``max_bytes``.
         """
+        check_limit(max_bytes)
         info = self.head(key)
         if etag is not None and info.etag == etag:
             return None
-        data = self.get(key)
+        check_size(key, info.size, max_bytes, where=self.url, backend=self.scheme)
+        data = self.get(key, max_bytes=max_bytes)
         return data, ObjectInfo(key, len(data), info.etag, info.modified)
 
     def change_feed(self) -> ChangeFeed | None:

@@ -31,6 +31,12 @@ read, and after each fill the oldest files (by mtime, refreshed on every hit)
 go until the cache is under ``max_bytes``. Files of objects deleted from the
 store are simply never asked for again and age out.
 
+Full disks: a fill that cannot be written (the cache's filesystem is full) is
+served uncached, with one warning until a later fill succeeds, and leaves no
+temporary file. Cache files are read like :class:`~deltasync.stores.local.LocalStore`
+reads objects: regular files only, no symlinks followed, at most the manifest's
+size (plus one byte) read.
+
 Limits: a hit hashes the file (SHA-256, about 1-2 GB/s per core) besides the
 reader's own check; range reads are served from the cache only for files this
 process already verified, otherwise from the store (they are header reads). The
@@ -42,6 +48,7 @@ process.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -51,9 +58,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..errors import DeltaSyncError, IntegrityError, PreconditionFailed, StoreError
+from ..errors import ConfigError, DeltaSyncError, IntegrityError, ObjectNotFound, PreconditionFailed, StoreError
 from ..manifest import MANIFEST_KEY, Manifest, ObjectRef
-from .base import ObjectInfo, PutMode, Store, check_key
+from .base import ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 from .local import _TMP, LocalStore
 from .wrap import DelegatingStore
 
@@ -69,6 +76,7 @@ POLL_FIRST_S = 0.005  # waiters look for the finished file this often at first .
 POLL_MAX_S = 0.05  # ... backing off to this
 _MUTABLE_PREFIXES = ("acks/",)  # replicas rewrite these; never cached even if a manifest names one
 TMP_MAX_AGE_S = 3600.0  # temporary files of a filler that died mid-write are removed after this long
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk (or quota): serve uncached, warn once
 
 
 @dataclass(slots=True)
@@ -125,7 +133,10 @@ class CachedStore(DelegatingStore):
         fill_wait: float = FILL_WAIT_S,
     ) -> None:
         if max_bytes <= 0 or fill_wait < 0:
-            raise ValueError("max_bytes must be positive and fill_wait non-negative")
+            raise ConfigError(
+                f"max_bytes must be positive and fill_wait non-negative, not {max_bytes} and {fill_wait}",
+                argument="max_bytes" if max_bytes <= 0 else "fill_wait",
+            )
         super().__init__(inner)
         namespace = hashlib.sha256(inner.url.encode()).hexdigest()[:16]
         self.root = Path(cache_dir).expanduser().resolve() / namespace
@@ -138,24 +149,29 @@ class CachedStore(DelegatingStore):
         self._verified: set[tuple[int, int, int]] = set()  # (device, inode, size) of files this process hashed
         self._lock = threading.Lock()
         self._linkless = False
+        self._full = False  # the last fill found the cache's disk full (warned once)
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        check_limit(max_bytes)
         ref = self._refs.get(key)
         if ref is None:
-            data = self.inner.get(key)
+            data = self.inner.get(key, max_bytes=max_bytes)
             if key == MANIFEST_KEY:
                 self._observe(data)
             return data
+        check_size(key, ref.size, max_bytes, where=self.url, backend=self.scheme)  # cached copies are ref.size
         data = self._read_cached(ref)
         if data is not None:
             self._count("hits")
             return data
-        return self._fill(ref)
+        return self._fill(ref, max_bytes)
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        got = self.inner.get_if_changed(key, etag)
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
+        got = self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
         if got is not None and key == MANIFEST_KEY:
             self._observe(got[0])
         return got
@@ -163,9 +179,9 @@ class CachedStore(DelegatingStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         ref = self._refs.get(key)
         if ref is not None:
-            with contextlib.suppress(OSError):
-                with open(self._path(key), "rb") as f:
-                    st = os.fstat(f.fileno())
+            with contextlib.suppress(OSError):  # missing or refused: read the store
+                fd, st = self._objects._open(key)
+                with os.fdopen(fd, "rb") as f:
                     if st.st_size == ref.size and (st.st_dev, st.st_ino, st.st_size) in self._verified:
                         f.seek(start)
                         self._count("hits")
@@ -205,7 +221,7 @@ class CachedStore(DelegatingStore):
         # The previous manifest's objects stay cacheable: a route planned from it may still be fetching.
         self._refs, self._current = {**self._current, **current}, current
         for key, _ in manifest.retired:
-            if key not in current and self._discard(self._path(key)):
+            if key not in current and self._drop(key):
                 self._count("evicted")
 
     # ------------------------------------------------------------------ the cache files
@@ -217,27 +233,24 @@ class CachedStore(DelegatingStore):
         """The cached bytes of ``ref`` if present and intact; a bad file is deleted (``None``)."""
         path = self._path(ref.key)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            logger.warning("cannot read cached %s (%s); reading the store", ref.key, exc)
-            return None
-        try:
+            data, st = self._objects.read_with_stat(ref.key, max_bytes=ref.size)
             _verify(ref, data, where=f"cached copy at {path}")
-        except IntegrityError as exc:
+        except ObjectNotFound:
+            return None
+        except IntegrityError as exc:  # too long, or the wrong bytes
             logger.warning("%s; deleting it and reading the store", exc)
             self._count("corrupt")
-            self._discard(path)
+            self._drop(ref.key)
+            return None
+        except StoreError as exc:  # not a regular file (a symlink, a FIFO), or unreadable
+            logger.warning("cannot read cached %s (%s); reading the store", ref.key, exc)
             return None
         self._verified.add((st.st_dev, st.st_ino, st.st_size))
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: eviction takes the oldest mtime first
         return data
 
-    def _fill(self, ref: ObjectRef) -> bytes:
+    def _fill(self, ref: ObjectRef, max_bytes: int | None = None) -> bytes:
         """Read ``ref`` from the store once for every process sharing the cache, and keep it."""
         deadline = time.monotonic() + self._wait_budget(ref)
         delay, waited = POLL_FIRST_S, False
@@ -248,7 +261,7 @@ class CachedStore(DelegatingStore):
                     if data is not None:
                         self._count("hits")
                         return data
-                    return self._load(ref)
+                    return self._load(ref, max_bytes)
             if not waited:
                 waited = True
                 self._count("waits")
@@ -260,10 +273,10 @@ class CachedStore(DelegatingStore):
                 return data
             if time.monotonic() > deadline:
                 self._count("fallbacks")
-                return self._load(ref)
+                return self._load(ref, max_bytes)
 
-    def _load(self, ref: ObjectRef) -> bytes:
-        data = self.inner.get(ref.key)
+    def _load(self, ref: ObjectRef, max_bytes: int | None = None) -> bytes:
+        data = self.inner.get(ref.key, max_bytes=max_bytes)
         self._count("misses")
         self._count("store_bytes", len(data))
         try:
@@ -274,10 +287,11 @@ class CachedStore(DelegatingStore):
             return data  # the reader's own check refuses it (and retries or avoids the object)
         try:
             self._objects.put(ref.key, data)
-            st = os.stat(self._path(ref.key))
-        except (StoreError, OSError) as exc:  # a full cache must not fail the read
-            logger.warning("cannot cache %s: %s", ref.key, exc)
+            st = os.stat(self._path(ref.key), follow_symlinks=False)
+        except OSError as exc:  # StoreError included: a full cache must not fail the read
+            self._not_cached(ref.key, exc)
             return data
+        self._full = False
         self._verified.add((st.st_dev, st.st_ino, st.st_size))
         self._count("fills")
         self.evict(keep=ref.key)
@@ -295,7 +309,12 @@ class CachedStore(DelegatingStore):
             self._break_stale(key)
             yield False
             return
-        except StoreError as exc:  # no hard links here: fill without a lock (duplicates possible)
+        except StoreError as exc:
+            if getattr(exc, "errno", None) in _FULL_ERRNOS:  # a full disk, not a filesystem without links
+                self._not_cached(key, exc)
+                yield True
+                return
+            # No hard links here: fill without a lock (duplicates possible).
             logger.warning("no cache locks in %s (%s): concurrent misses may each read the store", self.root, exc)
             self._linkless = True
             yield True
@@ -333,7 +352,7 @@ class CachedStore(DelegatingStore):
             for name in names:
                 path = Path(dirpath, name)
                 try:
-                    st = path.stat()
+                    st = path.lstat()
                 except OSError:
                     continue
                 if name.startswith(_TMP):
@@ -353,6 +372,25 @@ class CachedStore(DelegatingStore):
                 freed += size
                 self._count("evicted")
         return freed
+
+    def _not_cached(self, key: str, exc: OSError) -> None:
+        """Log a fill that could not be written: a full disk once (until a fill succeeds), others each time."""
+        if getattr(exc, "errno", None) not in _FULL_ERRNOS:
+            logger.warning("cannot cache %s: %s", key, exc)
+            return
+        with self._lock:
+            first, self._full = not self._full, True
+        if first:
+            logger.warning("cache %s is full; serving objects uncached until space frees: %s", self.root, exc)
+        else:
+            logger.debug("cannot cache %s: %s", key, exc)
+
+    def _drop(self, key: str) -> bool:
+        """Remove the cached copy of ``key`` (never following a symlink above it); whether one was there."""
+        try:
+            return self._objects.unlink(key)
+        except (DeltaSyncError, OSError):
+            return False
 
     @staticmethod
     def _discard(path: Path) -> bool:

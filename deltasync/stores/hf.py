@@ -37,6 +37,18 @@ Transient HTTP failures (429, 5xx, timeouts, dropped connections) are retried by
 own ``http_backoff`` on the calls that use it (batch, paths-info, metadata ``HEAD``, tree pages);
 hf_xet retries its CAS transfers itself. What still fails becomes a :class:`StoreError`.
 
+Timeouts: huggingface_hub's shared HTTP client has none by default (``timeout=None``) and its bucket
+calls pass none, so a silent server could hold a call forever. The store adds a request hook to that
+client (:func:`_bound_timeouts`) giving every request a connect limit of
+:data:`HTTP_CONNECT_TIMEOUT_S` and read, write and pool limits of :data:`HTTP_IO_TIMEOUT_S` wherever
+the request leaves them unset; limits a caller set are kept (the change feed sets its own). The
+bytes themselves move through hf_xet's own (Rust) client, which this store does not configure: its
+limits are hf_xet's, set through its environment (``HF_XET_CLIENT_CONNECT_TIMEOUT``,
+``HF_XET_CLIENT_READ_TIMEOUT``).
+
+Bounded reads: ``get(key, max_bytes=n)`` and ``get_if_changed`` compare the size the Hub reports
+(paths-info) with ``n`` before downloading, and check the downloaded file's size before reading it.
+
 Tokens never appear in ``repr``, log lines or error messages raised here: error texts are scrubbed,
 and a client error that quotes the token is not chained.
 """
@@ -52,6 +64,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import (
+    ConfigError,
     DeltaSyncError,
     ObjectNotFound,
     PreconditionFailed,
@@ -59,7 +72,7 @@ from ..errors import (
     require,
 )
 from ._hf_feed import _BucketFeed, _live_follow_reader
-from .base import ChangeFeed, ObjectInfo, PutMode, Store, check_key
+from .base import ChangeFeed, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 
 __all__ = ["HFBucketStore", "parse_bucket_url"]
 
@@ -71,6 +84,16 @@ _SCHEME = "hf://buckets/"
 # Hub names: letters, digits, "-", "_", "." (not first or last), at most 96 characters.
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
 _URL_HELP = "expected hf://buckets/<namespace>/<name>[/<prefix>], e.g. hf://buckets/my-org/rl-weights/run-1"
+
+# Limits given to huggingface_hub's HTTP requests that set none (see the module docstring).
+HTTP_CONNECT_TIMEOUT_S = 10.0  # huggingface_hub's own DEFAULT_REQUEST_TIMEOUT
+HTTP_IO_TIMEOUT_S = 60.0  # longest silence on an open request: two of the Hub's 30 s keep-alive pings
+_LIMITS = {
+    "connect": HTTP_CONNECT_TIMEOUT_S,
+    "read": HTTP_IO_TIMEOUT_S,
+    "write": HTTP_IO_TIMEOUT_S,
+    "pool": HTTP_IO_TIMEOUT_S,
+}
 
 
 def parse_bucket_url(url: str) -> tuple[str, str]:
@@ -84,7 +107,7 @@ def parse_bucket_url(url: str) -> tuple[str, str]:
         bucket root, without leading or trailing ``/``).
 
     Raises:
-        `ValueError`: not a bucket URL, a bad namespace or name, or an unsafe prefix.
+        `ConfigError`: not a bucket URL, a bad namespace or name, or an unsafe prefix.
 
     Example:
         ```python
@@ -95,19 +118,20 @@ def parse_bucket_url(url: str) -> tuple[str, str]:
     if not isinstance(url, str) or not url.startswith(_SCHEME):
         repo = isinstance(url, str) and url.startswith("hf://")
         hint = " (model, dataset and space repos are not stores)" if repo else ""
-        raise ValueError(f"not an HF bucket URL: {url!r}{hint}; {_URL_HELP}")
+        raise ConfigError(f"not an HF bucket URL: {url!r}{hint}; {_URL_HELP}", argument="url")
     namespace, _, rest = url[len(_SCHEME) :].partition("/")
     name, _, prefix = rest.partition("/")
     for what, value in (("namespace", namespace), ("bucket name", name)):
         if not _NAME.match(value):
-            raise ValueError(f"invalid {what} {value!r} in {url!r}; {_URL_HELP}")
+            raise ConfigError(f"invalid {what} {value!r} in {url!r}; {_URL_HELP}", argument="url")
     prefix = prefix.rstrip("/")
     if prefix:
         try:
             check_key(prefix)
         except DeltaSyncError:
-            raise ValueError(
-                f"invalid prefix {prefix!r} in {url!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-]; {_URL_HELP}"
+            raise ConfigError(
+                f"invalid prefix {prefix!r} in {url!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-]; {_URL_HELP}",
+                argument="url",
             ) from None
     return f"{namespace}/{name}", prefix
 
@@ -123,6 +147,7 @@ class HFBucketStore(Store):
         create (`bool`, *optional*, defaults to `False`): create the bucket (private) if missing.
 
     Raises:
+        `ConfigError`: ``bucket_id`` or ``prefix`` is malformed.
         `MissingDependency`: huggingface_hub is not installed.
         `StoreError`: ``create=True`` and the bucket could not be created.
 
@@ -146,8 +171,10 @@ class HFBucketStore(Store):
         create: bool = False,
     ) -> None:
         hub = require("huggingface_hub", "hf")
-        if bucket_id.count("/") != 1:
-            raise ValueError(f"bucket_id must be 'namespace/name', not {bucket_id!r}; {_URL_HELP}")
+        if not isinstance(bucket_id, str) or bucket_id.count("/") != 1:
+            raise ConfigError(
+                f"bucket_id must be 'namespace/name', not {bucket_id!r}; {_URL_HELP}", argument="bucket_id"
+            )
         self.bucket_id, self.prefix = parse_bucket_url(f"{_SCHEME}{bucket_id}/{prefix}")
         super().__init__(f"{_SCHEME}{self.bucket_id}" + (f"/{self.prefix}" if self.prefix else ""))
         constants = require("huggingface_hub.constants", "hf")
@@ -156,7 +183,9 @@ class HFBucketStore(Store):
         self._token: str | None = token or hub.get_token()
         self._api: Any = hub.HfApi(endpoint=self.endpoint, token=self._token, library_name="deltasync")
         self._errors: Any = require("huggingface_hub.errors", "hf")
-        self._build_headers: Callable[..., dict[str, str]] = require("huggingface_hub.utils", "hf").build_hf_headers
+        utils = require("huggingface_hub.utils", "hf")
+        self._build_headers: Callable[..., dict[str, str]] = utils.build_hf_headers
+        self._session: Callable[[], Any] = utils.get_session
         self._xet: Any = None
         self._xet_pid = -1
         self._feeds: list[_BucketFeed] = []
@@ -170,7 +199,7 @@ class HFBucketStore(Store):
         """``hf://buckets/<namespace>/<name>[/<prefix>]``; options as for the constructor.
 
         Raises:
-            `ValueError`: the URL is not a valid bucket URL (the message shows the expected form).
+            `ConfigError`: the URL is not a valid bucket URL (the message shows the expected form).
         """
         bucket_id, prefix = parse_bucket_url(url)
         return cls(bucket_id, prefix, token=token, endpoint=endpoint, create=create)
@@ -215,13 +244,15 @@ class HFBucketStore(Store):
             raise StoreError(f"{key!r} is missing from {self.url} right after writing it", key=key, backend="hf")
         return self._info(key, written)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """Download ``key`` with ``download_bucket_files`` into a fresh temporary directory.
 
-        A new directory per read means no local cache can serve stale bytes after an overwrite.
+        A new directory per read means no local cache can serve stale bytes after an overwrite. An
+        object whose listed size exceeds ``max_bytes`` is refused before anything is downloaded.
         """
+        check_limit(max_bytes)
         found = self._require(key, self._path(key))
-        return self._download(key, found)
+        return self._download(key, found, max_bytes)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Read bytes ``[start, end)`` with a ranged Xet download (only the covering chunks move).
@@ -297,15 +328,19 @@ class HFBucketStore(Store):
 
         self._call(remove, "deleting", key)
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
         """One lookup, then a download only if the xet hash differs from ``etag``.
 
-        The returned info describes exactly the returned bytes (same lookup).
+        The returned info describes exactly the returned bytes (same lookup). An object whose listed
+        size exceeds ``max_bytes`` is refused before anything is downloaded.
         """
+        check_limit(max_bytes)
         found = self._require(key, self._path(key))
         if etag is not None and found.xet_hash == etag:
             return None
-        return self._download(key, found), self._info(key, found)
+        return self._download(key, found, max_bytes), self._info(key, found)
 
     def change_feed(self) -> ChangeFeed | None:
         """Follow the bucket's server-sent change feed (``GET /api/buckets/{id}/events``).
@@ -353,16 +388,21 @@ class HFBucketStore(Store):
             raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="hf")
         return found
 
-    def _download(self, key: str, found: Any) -> bytes:
+    def _download(self, key: str, found: Any, max_bytes: int | None = None) -> bytes:
+        """The bytes of ``found``, refused before downloading when its size exceeds ``max_bytes``."""
+        check_size(key, int(found.size), max_bytes, where=self.url, backend="hf")
         with tempfile.TemporaryDirectory(prefix="deltasync-hf-") as tmp:
             target = Path(tmp, "object")
             self._call(lambda: self._api.download_bucket_files(self.bucket_id, [(found, target)]), "reading", key)
-            data = target.read_bytes()
-        if len(data) != found.size:
-            raise StoreError(
-                f"short read of {key!r} in {self.url}: {len(data)} of {found.size} bytes", key=key, backend="hf"
-            )
-        return data
+            size = target.stat().st_size
+            if size != found.size:  # checked before reading, so a runaway download is never loaded
+                raise StoreError(
+                    f"{'short' if size < found.size else 'long'} read of {key!r} in {self.url}: "
+                    f"{size} of {found.size} bytes",
+                    key=key,
+                    backend="hf",
+                )
+            return target.read_bytes()
 
     def _info(self, key: str, found: Any) -> ObjectInfo:
         when = found.uploaded_at or found.mtime
@@ -384,6 +424,7 @@ class HFBucketStore(Store):
 
     def _call(self, fn: Callable[[], T], what: str, key: str | None = None) -> T:
         """Run a client call, translating its errors into ours without leaking the token."""
+        _bound_timeouts(self._session())
         try:
             return fn()
         except DeltaSyncError:
@@ -423,3 +464,21 @@ class HFBucketStore(Store):
                 return True
             exc = exc.__cause__ or exc.__context__
         return False
+
+
+def _finite_timeouts(request: Any) -> None:
+    """httpx request hook: fill in the timeouts a request leaves unset (``None``) with finite ones."""
+    current = request.extensions.get("timeout") or {}
+    filled = {phase: limit if current.get(phase) is None else current[phase] for phase, limit in _LIMITS.items()}
+    request.extensions = {**request.extensions, "timeout": filled}
+
+
+def _bound_timeouts(session: Any) -> None:
+    """Install :func:`_finite_timeouts` on huggingface_hub's shared client (once per client).
+
+    The client is created lazily and re-created after ``close_session()``, so this runs before every
+    call; it is a list lookup when the hook is in place.
+    """
+    hooks = session.event_hooks.get("request", [])
+    if _finite_timeouts not in hooks:
+        session.event_hooks = {**session.event_hooks, "request": [*hooks, _finite_timeouts]}

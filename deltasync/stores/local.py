@@ -1,4 +1,4 @@
-"""Local filesystem store: the embedded default (a plain path or ``file://`` URL).
+"""Local filesystem store: the embedded default (a plain path or ``file:`` URL).
 
 Every write goes to a temporary file in the destination directory, is fsynced,
 and then renamed into place, so readers in other processes see either the old
@@ -10,27 +10,60 @@ the create-only guarantee).
 
 The etag is ``inode-mtime-size``: each write creates a new inode, so it changes
 on every write without hashing the content.
+
+Hostile trees: the store only ever reads regular files inside its root. Paths are
+walked from the root one directory at a time with ``O_NOFOLLOW``, so no symlink is
+followed, neither at the key nor in a directory above it; files are opened with
+``O_NONBLOCK`` (a FIFO cannot block the open) and ``fstat``-ed. A symlink, FIFO,
+device, socket or directory at a key raises :class:`~deltasync.errors.StoreError`
+("not a regular file inside the store root ... refused"); ``list`` skips such
+entries and does not descend into symlinked directories.
+
+Full disks: a write that fails (``ENOSPC`` from ``write`` or ``fsync``) removes its
+temporary file and raises :class:`~deltasync.errors.StoreError` saying the disk is
+full and which filesystem; the key keeps its previous object.
+
+Limitations: POSIX only (``openat``-style ``dir_fd`` calls, ``flock``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote
 
-from ..errors import ObjectNotFound, PreconditionFailed, StoreError
-from .base import ObjectInfo, PutMode, Store, check_key
+from ..errors import ConfigError, ObjectNotFound, PreconditionFailed, StoreError
+from .base import URL_FORMS, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 
 _TMP = ".tmp-"
 _LOCK = ".deltasync-lock"
 
+# Directories on a key's path are opened without following symlinks (a symlink fails with ENOTDIR).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+WRITE_CHUNK = 1 << 30  # bytes per write(2) call: Linux moves at most 2 GiB - 4 KiB per call anyway
+_FULL = {errno.ENOSPC: "the disk is full: no space left on {}", errno.EDQUOT: "the disk quota is exceeded on {}"}
+_MOUNTS = "/proc/self/mounts"  # Linux: "device mountpoint fstype options 0 0" per line
+_KINDS = (
+    (stat.S_ISLNK, "a symlink"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
 
 class LocalStore(Store):
-    """Objects as files under a root directory.
+    """Objects as regular files under a root directory.
 
     Args:
         root (`str` or `Path`): the directory (created if missing).
@@ -45,47 +78,97 @@ class LocalStore(Store):
 
     @classmethod
     def from_url(cls, url: str) -> LocalStore:
-        """``file:///abs/path`` or a plain path."""
-        if url.startswith("file://"):
-            return cls(unquote(urlparse(url).path))
-        return cls(url)
+        """Open a plain path, ``file:///abs/path``, ``file://localhost/abs/path``, ``file:/abs/path`` or
+        ``file:relative/path``.
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        Raises:
+            `ConfigError`: an empty URL, a ``file://`` URL naming another host (``file://run1`` reads
+            ``run1`` as a host), or one with a query or fragment.
+        """
+        return cls(local_path(url))
 
-    def _info(self, key: str, path: Path) -> ObjectInfo:
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="file") from None
-        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        check_limit(max_bytes)
+        with self._errors("reading", key):
+            fd, st = self._open(key)
+            return self._read(key, fd, st, max_bytes)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with self._errors("reading", key):
+            fd, _ = self._open(key)
+            with os.fdopen(fd, "rb") as f:
+                f.seek(start)
+                return f.read(max(0, end - start))
+
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
+        """Read ``key`` unless its etag still equals ``etag``; etag and bytes come from one open file."""
+        check_limit(max_bytes)
+        with self._errors("reading", key):
+            fd, st = self._open(key)
+            info = _info(key, st)
+            if etag is not None and info.etag == etag:
+                os.close(fd)
+                return None
+            return self._read(key, fd, st, max_bytes), info
+
+    def head(self, key: str) -> ObjectInfo:
+        with self._errors("looking up", key):
+            with self._dir(key) as (dfd, name):
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(key, _kind(st.st_mode))
+            return _info(key, st)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # os.walk does not enter symlinked directories (followlinks=False); lstat skips the rest.
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.startswith(_TMP) or name == _LOCK:
+                    continue
+                path = os.path.join(dirpath, name)
+                key = Path(path).relative_to(self.root).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield _info(key, st)
+
+    # ------------------------------------------------------------------ writes
 
     def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
-        path = self._path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                with self._locked(if_match is not None):
-                    self._commit(key, tmp, path, mode, if_match)
-            finally:
-                tmp.unlink(missing_ok=True)
-            _fsync_dir(path.parent)
-        except OSError as exc:
-            if isinstance(exc, StoreError):
-                raise
-            raise StoreError(f"writing {key!r} to {self.url} failed: {exc}", key=key, backend="file") from exc
-        return self._info(key, path)
+        """Write ``data`` at ``key`` through a fsynced temporary file renamed into place.
 
-    def _commit(self, key: str, tmp: Path, path: Path, mode: PutMode, if_match: str | None) -> None:
+        Raises:
+            `PreconditionFailed`: a condition did not hold. `StoreError`: the write failed (the message
+            says when the disk is full); the key keeps its previous object and no temporary file stays.
+        """
+        with self._errors("writing", key):
+            with self._dir(key, create=True) as (dfd, name):
+                tmp = f"{_TMP}{uuid.uuid4().hex}"
+                _write_new(dfd, tmp, data)
+                try:
+                    with self._locked(if_match is not None):
+                        self._commit(key, dfd, tmp, name, mode, if_match)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=dfd)
+                with contextlib.suppress(OSError):  # make the rename durable; some filesystems refuse
+                    os.fsync(dfd)
+                return _info(key, os.stat(name, dir_fd=dfd, follow_symlinks=False))
+
+    def _commit(self, key: str, dfd: int, tmp: str, name: str, mode: PutMode, if_match: str | None) -> None:
         if if_match is not None:
             try:
-                current = self._info(key, path).etag
-            except ObjectNotFound:
+                current: str | None = _info(key, os.stat(name, dir_fd=dfd, follow_symlinks=False)).etag
+            except FileNotFoundError:
                 current = None
             if current != if_match:
                 raise PreconditionFailed(
@@ -95,65 +178,229 @@ class LocalStore(Store):
                 )
         if mode == "create":
             try:
-                os.link(tmp, path)
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             except FileExistsError:
                 raise PreconditionFailed(f"{key!r} already exists", key=key, backend="file") from None
         else:
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
 
     @contextlib.contextmanager
     def _locked(self, needed: bool) -> Iterator[None]:
         if not needed:
             yield
             return
-        with open(self.root / _LOCK, "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-    def get(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="file") from None
-        except OSError as exc:
-            raise StoreError(f"reading {key!r} failed: {exc}", key=key, backend="file") from exc
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                return f.read(max(0, end - start))
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="file") from None
-
-    def head(self, key: str) -> ObjectInfo:
-        return self._info(key, self._path(key))
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if name.startswith(_TMP) or name == _LOCK:
-                    continue
-                key = Path(dirpath, name).relative_to(self.root).as_posix()
-                if key.startswith(prefix):
-                    with contextlib.suppress(ObjectNotFound):  # deleted while listing
-                        yield self._info(key, Path(dirpath, name))
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """Remove ``key`` (a symlink at the key is removed, never what it points to)."""
+        with self._errors("deleting", key):
+            self.unlink(key)
 
+    def unlink(self, key: str) -> bool:
+        """Unlink whatever is at ``key`` without following symlinks above it; whether something was there.
 
-def _fsync_dir(path: Path) -> None:
-    # Make the rename itself durable; some filesystems refuse to open directories.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+        Raises:
+            `OSError`: the unlink failed, or a directory on the key's path is refused.
+        """
         try:
+            with self._dir(key) as (dfd, name):
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:  # ObjectNotFound is one too
+            return False
+        return True
+
+    # ------------------------------------------------------------------ paths, safely
+
+    @contextlib.contextmanager
+    def _dir(self, key: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """The open directory holding ``key``, reached from the root without following symlinks,
+        and the key's last segment.
+
+        Raises:
+            `ObjectNotFound`: a directory on the way is missing (and ``create`` is false), or is a file.
+            `StoreError`: a directory on the way is a symlink or special file (refused).
+        """
+        *parents, name = check_key(key).split("/")
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parents:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, dir_fd=fd)
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    raise self._not_there(key, fd, part, exc, on_path=True) from None
+                os.close(fd)
+                fd = child
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _open(self, key: str) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of the regular file at ``key``, and its ``fstat``.
+
+        Raises:
+            `ObjectNotFound`: nothing is at ``key``. `StoreError`: something other than a regular file
+            inside the root is (refused).
+        """
+        with self._dir(key) as (dfd, name):
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                raise self._not_there(key, dfd, name, exc, on_path=False) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(key, _kind(st.st_mode))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _read(self, key: str, fd: int, st: os.stat_result, max_bytes: int | None) -> bytes:
+        """The bytes of the open file ``fd`` (closed here), at most ``max_bytes + 1`` of them read."""
+        with os.fdopen(fd, "rb") as f:
+            check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        check_size(key, len(data), max_bytes, where=self.url, backend="file", at_least=True)  # grew since fstat
+        return data
+
+    def read_with_stat(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, os.stat_result]:
+        """:meth:`get` that also returns the file's ``fstat`` (for callers that track inodes)."""
+        check_limit(max_bytes)
+        with self._errors("reading", key):
+            fd, st = self._open(key)
+            return self._read(key, fd, st, max_bytes), st
+
+    def _not_there(self, key: str, dfd: int, name: str, exc: OSError, *, on_path: bool) -> OSError:
+        """Explain a failed ``open`` of ``name``: say what is there instead of a regular file."""
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+            return exc
+        try:
+            mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+        except OSError:
+            return exc
+        if on_path and stat.S_ISREG(mode):  # a file where a directory would be: nothing is at the key
+            return ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="file")
+        return self._refused(key, f"{_kind(mode)} on its path" if on_path else _kind(mode))
+
+    def _refused(self, key: str, what: str) -> StoreError:
+        return StoreError(
+            f"{key!r} in {self.url} is not a regular file inside the store root ({what}); refused",
+            key=key,
+            backend="file",
+            refused=what,
+        )
+
+    @contextlib.contextmanager
+    def _errors(self, op: str, key: str) -> Iterator[None]:
+        """Translate ``OSError`` into the store's errors (ours pass through unchanged)."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._error(op, key, exc) from exc
+
+    def _error(self, op: str, key: str, exc: OSError) -> StoreError:
+        if isinstance(exc, FileNotFoundError) and op != "writing":
+            return ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="file")
+        full = _FULL.get(exc.errno or 0)
+        if full is not None:
+            return StoreError(
+                f"{op} {key!r} in {self.url} failed: {full.format(filesystem_of(self.root))}; "
+                "free space there or move the store",
+                key=key,
+                backend="file",
+                errno=exc.errno,
+            )
+        return StoreError(f"{op} {key!r} in {self.url} failed: {exc}", key=key, backend="file", errno=exc.errno)
+
+
+def local_path(url: str) -> str:
+    """The directory a plain path or ``file:`` URL names (see :meth:`LocalStore.from_url`).
+
+    Raises:
+        `ConfigError`: the URL cannot name a local directory; the message shows the accepted forms.
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"store URL must be a non-empty string, not {url!r}; use {URL_FORMS}", argument="url")
+    if not url.startswith("file:"):
+        return url
+    rest = url[len("file:") :]
+    if "?" in rest or "#" in rest:
+        raise ConfigError(f"file URL {url!r} has a query or fragment; use {URL_FORMS}", argument="url")
+    if rest.startswith("//"):
+        host, slash, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            relative = f"{host}{slash}{path}"
+            raise ConfigError(
+                f"in {url!r}, {host!r} was read as a host name (file://HOST/path): write "
+                f"'file:{relative}' or './{relative}' for a relative path, or 'file:///abs/path'",
+                argument="url",
+            )
+        rest = f"/{path}" if slash else ""
+    if not rest:
+        raise ConfigError(f"file URL {url!r} names no path; use {URL_FORMS}", argument="url")
+    return unquote(rest)
+
+
+def filesystem_of(path: Path) -> str:
+    """Where ``path`` lives, for disk-full messages.
+
+    Returns:
+        `str`: e.g. ``"the tmpfs filesystem mounted at /mnt/x (0 bytes free)"``; the type is left out
+        where ``/proc/self/mounts`` cannot be read.
+    """
+    mount = path
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    kind = "the"
+    with contextlib.suppress(OSError, ValueError):
+        with open(_MOUNTS, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[1].replace("\\040", " ") == str(mount):
+                    kind = f"the {fields[2]}"  # the last match is the mount on top
+    free = ""
+    with contextlib.suppress(OSError):
+        vfs = os.statvfs(path)
+        free = f" ({vfs.f_bavail * vfs.f_frsize} bytes free)"
+    return f"{kind} filesystem mounted at {mount}{free}"
+
+
+def _write_new(dfd: int, name: str, data: bytes) -> None:
+    """Write ``data`` to a new file ``name`` in ``dfd`` and fsync it; on any failure the file is removed."""
+    fd = os.open(name, _WRITE_FLAGS, 0o666, dir_fd=dfd)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view[:WRITE_CHUNK])
+                if written <= 0:
+                    raise OSError(errno.EIO, "write(2) made no progress")
+                view = view[written:]
             os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dfd)
+        raise
+
+
+def _info(key: str, st: os.stat_result) -> ObjectInfo:
+    return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")

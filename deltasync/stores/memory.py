@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import ObjectNotFound, PreconditionFailed
-from .base import ObjectInfo, PutMode, Store, check_key
+from ..errors import ConfigError, ObjectNotFound, PreconditionFailed
+from .base import ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 
 _LOCK = threading.Lock()
 _SPACES: dict[str, dict[str, tuple[bytes, ObjectInfo]]] = {}
@@ -32,7 +32,13 @@ class MemoryStore(Store):
 
     @classmethod
     def from_url(cls, url: str) -> MemoryStore:
-        """``memory://name``."""
+        """``memory://name`` (``memory://`` alone is the namespace ``"default"``).
+
+        Raises:
+            `ConfigError`: the URL does not start with ``memory://``.
+        """
+        if not isinstance(url, str) or not url.startswith("memory://"):
+            raise ConfigError(f"not a memory store URL: {url!r}; expected 'memory://name'", argument="url")
         return cls(url.removeprefix("memory://") or "default")
 
     def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
@@ -55,8 +61,11 @@ class MemoryStore(Store):
             raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key, backend="memory")
         return entry
 
-    def get(self, key: str) -> bytes:
-        return self._entry(key)[0]
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        check_limit(max_bytes)
+        data, info = self._entry(key)
+        check_size(key, info.size, max_bytes, where=self.url, backend="memory")
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._entry(key)[0][start:end]

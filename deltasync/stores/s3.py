@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import (
+    ConfigError,
     DeltaSyncError,
     ObjectNotFound,
     PreconditionFailed,
@@ -49,6 +50,8 @@ from .base import (
     PutMode,
     Store,
     check_key,
+    check_limit,
+    check_size,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +74,23 @@ _DEFAULT_RETRY: dict[str, Any] = {
     },
     "retry_timeout": RETRY_TIMEOUT,
 }
+
+# Network timeouts handed to obstore unless ``client_options`` sets its own: obstore's (object_store's)
+# documented defaults, pinned here so no request can wait forever whatever a future default becomes.
+# The whole-request limit also bounds a stalled body; objects too large to move in it over a slow
+# link need a larger ``client_options={"timeout": ...}``.
+CONNECT_TIMEOUT = timedelta(seconds=5)
+REQUEST_TIMEOUT = timedelta(seconds=30)
+
+# obstore reads client options from ``AWS_<OPTION>`` variables only when no ``client_options`` are
+# passed; the timeouts above always are, so these are read from the environment here instead
+# (the keys of obstore's ``ClientConfig`` that take a single value).
+_CLIENT_ENV_KEYS = (
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "http1_only",
+    "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_only",
+    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+    "root_certificate", "randomize_addresses", "read_timeout", "timeout", "user_agent",
+)  # fmt: skip
 
 # Error text longer than this is cut: S3 error bodies are XML and can be long.
 _MAX_MESSAGE = 600
@@ -123,12 +143,13 @@ class S3Store(Store):
         virtual_hosted_style_request (`bool`, *optional*):
             Address the bucket as ``bucket.endpoint`` instead of ``endpoint/bucket``.
         client_options (`dict`, *optional*):
-            obstore ``ClientConfig`` (timeouts, proxies, ...), passed through.
+            obstore ``ClientConfig`` (timeouts, proxies, ...), laid over this module's timeouts
+            (:data:`CONNECT_TIMEOUT`, :data:`REQUEST_TIMEOUT`).
         retry_config (`dict`, *optional*):
             obstore ``RetryConfig``, laid over this module's defaults.
 
     Raises:
-        `ValueError`: an invalid bucket, prefix or option combination.
+        `ConfigError`: an invalid bucket, prefix or option combination.
         `MissingDependency`: obstore is not installed (``pip install 'deltasync[s3]'``).
 
     Example:
@@ -160,7 +181,10 @@ class S3Store(Store):
         self.bucket = bucket
         self.prefix = prefix
         if (access_key_id is None) != (secret_access_key is None):
-            raise ValueError("pass access_key_id and secret_access_key together (or neither, to use the environment)")
+            raise ConfigError(
+                "pass access_key_id and secret_access_key together (or neither, to use the environment)",
+                argument="access_key_id",
+            )
         secrets = [access_key_id, secret_access_key, session_token, *(os.environ.get(v) for v in _SECRET_ENV)]
         self._secrets = tuple(sorted({s for s in secrets if s}, key=len, reverse=True))
 
@@ -177,7 +201,12 @@ class S3Store(Store):
         ):
             if value is not None:
                 config[name] = value
-        client: dict[str, Any] = dict(client_options or {})
+        client: dict[str, Any] = {
+            "connect_timeout": CONNECT_TIMEOUT,
+            "timeout": REQUEST_TIMEOUT,
+            **_client_env(),
+            **(client_options or {}),
+        }
         if allow_http is not None:
             client["allow_http"] = allow_http
         _check_http(config.get("endpoint"), client)
@@ -195,18 +224,21 @@ class S3Store(Store):
                 credentials, ``allow_http``, ...).
 
         Raises:
-            `ValueError`: the URL is not ``s3://bucket[/prefix]``.
+            `ConfigError`: the URL is not ``s3://bucket[/prefix]``.
         """
         if not isinstance(url, str) or not url.startswith("s3://"):
-            raise ValueError(f"not an S3 URL: {_safe_url(url)!r}; expected 's3://bucket/prefix'")
+            raise ConfigError(f"not an S3 URL: {_safe_url(url)!r}; expected 's3://bucket/prefix'", argument="url")
         rest = url[len("s3://") :]
         if any(c in rest for c in "?#"):
-            raise ValueError(f"S3 URL {_safe_url(url)!r} has a query or fragment; expected 's3://bucket/prefix'")
+            raise ConfigError(
+                f"S3 URL {_safe_url(url)!r} has a query or fragment; expected 's3://bucket/prefix'", argument="url"
+            )
         bucket, _, prefix = rest.partition("/")
         if "@" in bucket:
-            raise ValueError(
+            raise ConfigError(
                 "S3 URLs must not carry credentials ('s3://user:secret@bucket'); "
-                "pass access_key_id/secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                "pass access_key_id/secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+                argument="url",
             )
         return cls(bucket, prefix, **options)
 
@@ -229,10 +261,13 @@ class S3Store(Store):
         )
         return ObjectInfo(key, len(data), result.get("e_tag"), None)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Read ``key``; an object larger than ``max_bytes`` is refused from the response headers,
+        before its body is read."""
         check_key(key)
+        check_limit(max_bytes)
         obs = _obstore()
-        return self._call("get", key, lambda: bytes(obs.get(self._store, key).bytes()))
+        return self._call("get", key, lambda: self._body(key, obs.get(self._store, key), max_bytes))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         check_key(key)
@@ -280,9 +315,15 @@ class S3Store(Store):
         with contextlib.suppress(ObjectNotFound):  # some S3-compatible stores 404 a missing key
             self._call("delete", key, lambda: obs.delete(self._store, key))
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        """Read ``key`` unless its etag still equals ``etag``: a conditional GET (304, no body)."""
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
+        """Read ``key`` unless its etag still equals ``etag``: a conditional GET (304, no body).
+
+        An object larger than ``max_bytes`` is refused before its body is read, as for :meth:`get`.
+        """
         check_key(key)
+        check_limit(max_bytes)
         obs = _obstore()
         exceptions = require("obstore.exceptions", "s3")
         options: dict[str, Any] = {} if etag is None else {"if_none_match": etag}
@@ -292,10 +333,16 @@ class S3Store(Store):
                 result = obs.get(self._store, key, options=options)
             except exceptions.NotModifiedError:
                 return None
-            data = bytes(result.bytes())
-            return data, _info(key, result.meta)
+            return self._body(key, result, max_bytes), _info(key, result.meta)
 
         return self._call("get", key, fetch)
+
+    def _body(self, key: str, result: Any, max_bytes: int | None) -> bytes:
+        """The body of a GET, refused unread when the response's size exceeds ``max_bytes``."""
+        check_size(key, int(result.meta["size"]), max_bytes, where=self.url, backend="s3")
+        data = bytes(result.bytes())
+        check_size(key, len(data), max_bytes, where=self.url, backend="s3")  # a body longer than declared
+        return data
 
     # -- error translation --------------------------------------------------------------
 
@@ -354,11 +401,16 @@ def _build_client(
     obstore_store = require("obstore.store", "s3")
     try:
         return obstore_store.S3Store(
-            bucket, prefix=prefix or None, config=config, client_options=client or None, retry_config=retry
+            bucket, prefix=prefix or None, config=config, client_options=client, retry_config=retry
         )
     except Exception as exc:  # rebuilt below, without the unredacted cause
         message = f"cannot configure {url}: {redact(_first_part(str(exc)))}"
-    raise ValueError(message)
+    raise ConfigError(message, argument="client_options")
+
+
+def _client_env() -> dict[str, str]:
+    """Client options set as ``AWS_<OPTION>`` environment variables (see :data:`_CLIENT_ENV_KEYS`)."""
+    return {key: os.environ[f"AWS_{key.upper()}"] for key in _CLIENT_ENV_KEYS if os.environ.get(f"AWS_{key.upper()}")}
 
 
 def _obstore() -> Any:
@@ -379,20 +431,22 @@ def _first_part(message: str) -> str:
 
 def _check_location(bucket: str, prefix: str) -> tuple[str, str]:
     if not bucket:
-        raise ValueError("S3 URL has no bucket; expected 's3://bucket' or 's3://bucket/prefix'")
+        raise ConfigError("S3 URL has no bucket; expected 's3://bucket' or 's3://bucket/prefix'", argument="bucket")
     if not _BUCKET.match(bucket) or len(bucket) > 255:
-        raise ValueError(
+        raise ConfigError(
             f"invalid S3 bucket name {bucket!r}: use letters, digits, '.', '-' and '_' "
-            "(AWS: 3-63 lowercase characters); expected 's3://bucket/prefix'"
+            "(AWS: 3-63 lowercase characters); expected 's3://bucket/prefix'",
+            argument="bucket",
         )
     prefix = prefix.rstrip("/")
     if prefix:
         try:
             check_key(prefix)
         except DeltaSyncError:
-            raise ValueError(
+            raise ConfigError(
                 f"invalid S3 prefix {prefix!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-], "
-                "no empty, '.' or '..' segments"
+                "no empty, '.' or '..' segments",
+                argument="prefix",
             ) from None
     return bucket, prefix
 
@@ -408,8 +462,9 @@ def _check_http(endpoint: str | None, client: dict[str, Any]) -> None:
     if allowed is None:
         allowed = os.environ.get("AWS_ALLOW_HTTP", "").strip().lower() in _TRUE
     if not _truthy(allowed):
-        raise ValueError(
-            f"endpoint {_safe_url(endpoint)!r} is plain http: pass allow_http=True (or set AWS_ALLOW_HTTP=true)"
+        raise ConfigError(
+            f"endpoint {_safe_url(endpoint)!r} is plain http: pass allow_http=True (or set AWS_ALLOW_HTTP=true)",
+            argument="endpoint",
         )
 
 

@@ -25,8 +25,8 @@ class DelegatingStore(Store):
     def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite", if_match: str | None = None) -> ObjectInfo:
         return self.inner.put(key, data, mode=mode, if_match=if_match)
 
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.inner.get_range(key, start, end)
@@ -40,8 +40,10 @@ class DelegatingStore(Store):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, ObjectInfo] | None:
-        return self.inner.get_if_changed(key, etag)
+    def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, ObjectInfo] | None:
+        return self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
 
     def change_feed(self) -> ChangeFeed | None:
         return self.inner.change_feed()
