@@ -130,8 +130,10 @@ class Snapshot:
         """
         copies = {}
         for name, tensor in published_tensors(source):
-            target = dtype or tensor.dtype
-            copies[name] = tensor.detach().to(device=device or tensor.device, dtype=target, copy=True)
+            # Always contiguous, in logical (row-major) order, whatever the live tensor's strides:
+            # flat indices mean the same thing on both sides of the wire.
+            copy = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=device or tensor.device)
+            copies[name] = copy.copy_(tensor.detach())
         return cls(copies)
 
     def __getitem__(self, name: str) -> torch.Tensor:

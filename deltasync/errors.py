@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "DeltaSyncError",
+    "ConfigError",
     "DeltaFormatError",
     "CodecError",
     "FingerprintMismatch",
@@ -53,6 +54,11 @@ class DeltaSyncError(Exception):
 
 def _rebuild(cls: type[DeltaSyncError], message: str, context: dict[str, Any]) -> DeltaSyncError:
     return cls(message, **context)
+
+
+class ConfigError(DeltaSyncError, ValueError):
+    """An argument, store URL or model given to a constructor cannot work; the message names it
+    (``argument``) and says what is accepted. Raised before anything is read or written."""
 
 
 class DeltaFormatError(DeltaSyncError, ValueError):

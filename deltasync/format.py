@@ -33,6 +33,7 @@ import torch
 from .codec import DEFAULT_CODEC, BaseLookup, Decoded, get_codec
 from .diff import ChangeSet, TensorChange
 from .errors import CodecError, DeltaFormatError, FingerprintMismatch
+from .jsonio import load_json
 from .tensors import TensorSpec, dtype_from_name, fingerprint
 
 __all__ = [
@@ -358,10 +359,7 @@ def raw_header(data: bytes | memoryview) -> dict[str, Any]:
             f"safetensors header length {length} exceeds the file or the {MAX_HEADER_BYTES}-byte cap",
             length=length,
         )
-    try:
-        header = json.loads(bytes(data[8 : 8 + length]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting
-        raise DeltaFormatError(f"safetensors header is not valid JSON: {exc}") from None
+    header = load_json(bytes(data[8 : 8 + length]), what="safetensors header", error=DeltaFormatError)
     if not isinstance(header, dict):
         raise DeltaFormatError("safetensors header must be a JSON object")
     return header
@@ -400,7 +398,7 @@ def _parse_header(meta: dict[str, Any]) -> Header:
     base = int(meta["base_version"]) if kind == "delta" else None
     if version < 0 or (base is not None and not 0 <= base < version):
         raise DeltaFormatError(f"bad version {version} / base {base}")
-    raw_entries = json.loads(meta["tensors"])
+    raw_entries = load_json(str(meta["tensors"]).encode(), what="metadata 'tensors'", error=DeltaFormatError)
     if not isinstance(raw_entries, dict):
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import ManifestError
+from .jsonio import load_json
 from .stores.base import check_key
 
 __all__ = [
@@ -42,6 +43,18 @@ FORMAT = "deltasync-manifest"
 # Objects dropped from the manifest stay this long before deletion, so a replica
 # that read the previous manifest can still finish its download.
 RETIRE_GRACE_S = 300.0
+# Bounds every number in a manifest must respect; anything outside is corruption, never data.
+# A version a millisecond for 34 years stays below 2^40; sizes and element counts stay exact in
+# a float64 (what JSON readers elsewhere parse numbers into); times are epoch seconds well past
+# any real clock yet far below where float, datetime or time.strftime overflow.
+MAX_VERSION = 2**40
+MAX_COUNT = 2**53
+MAX_RANK = 2**20
+MAX_STEP = 2**63
+MAX_EPOCH_S = 2.0**36
+# A manifest lists live versions only (tens of KB; a 512-rank run with 100 live versions is ~8 MB).
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ID_CHARS = 256  # run ids, writer ids and fingerprints are short hex strings
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +73,11 @@ class ObjectRef:
 
     def __post_init__(self) -> None:
         check_key(self.key)
-        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0):
+        if self.rank is not None and not _is_int(self.rank, 0, MAX_RANK):
             raise ManifestError(f"bad rank {self.rank!r} for {self.key}", key=self.key)
-        if not isinstance(self.size, int) or self.size < 0:
+        if not _is_int(self.size, 0, MAX_COUNT):
             raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
-        if not isinstance(self.sha256, str) or len(self.sha256) != 64:
+        if not isinstance(self.sha256, str) or len(self.sha256) != 64 or not _is_hex(self.sha256):
             raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,8 +111,13 @@ class VersionEntry:
     """Anchor object(s): the full weights at ``version``, split in parts."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.version, int) or self.version < 0:
-            raise ManifestError(f"bad version {self.version!r}")
+        if not _is_int(self.version, 0, MAX_VERSION):
+            raise ManifestError(f"bad version {self.version!r}: a non-negative integer below 2^40")
+        if self.step is not None and not _is_int(self.step, 0, MAX_STEP):
+            raise ManifestError(f"bad step {self.step!r} of version {self.version}", version=self.version)
+        if not _is_int(self.nnz, 0, MAX_COUNT):
+            raise ManifestError(f"bad nnz {self.nnz!r} of version {self.version}", version=self.version)
+        _check_time(self.time, f"time of version {self.version}")
         if not self.delta and not self.anchor:
             raise ManifestError(f"version {self.version} has neither delta nor anchor", version=self.version)
         if self.delta and self.version == 0:
@@ -129,13 +147,10 @@ class VersionEntry:
         if not isinstance(raw, dict):
             raise ManifestError("version entry must be a JSON object")
         refs = {k: tuple(ObjectRef.from_json(o) for o in _list(raw.get(k, []), k)) for k in ("delta", "anchor")}
-        step = raw.get("step")
-        if step is not None and not isinstance(step, int):
-            raise ManifestError(f"bad step {step!r}")
         return cls(
             version=_int(raw.get("version"), "version"),
-            step=step,
-            time=float(raw.get("time", 0.0)),
+            step=raw.get("step"),
+            time=_time(raw.get("time", 0.0), "time"),
             nnz=_int(raw.get("nnz", 0), "nnz"),
             delta=refs["delta"],
             anchor=refs["anchor"],
@@ -166,11 +181,42 @@ class Manifest:
     """Manifest schema revision."""
 
     def __post_init__(self) -> None:
+        for what in ("run_id", "fingerprint", "writer"):
+            value = getattr(self, what)
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+                raise ManifestError(f"manifest field {what!r} must be a non-empty string, got {value!r:.80}")
+        if not _is_int(self.numel, 0, MAX_COUNT):
+            raise ManifestError(f"manifest field 'numel' is out of range: {self.numel!r}")
+        _check_time(self.lease_until, "lease_until")
+        _check_time(self.updated, "updated")
         numbers = [v.version for v in self.versions]
         if numbers != sorted(set(numbers)):
             raise ManifestError("manifest versions must be strictly increasing")
+        if numbers and numbers != list(range(numbers[0], numbers[-1] + 1)):
+            missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers))
+            raise ManifestError(
+                f"manifest skips versions {missing[:5]} between v{numbers[0]} and v{numbers[-1]}: versions are "
+                "consecutive (each one is a delta from the one before)",
+                missing=missing[:5],
+            )
         if self.versions and not self.versions[0].anchor:
             raise ManifestError("the oldest listed version must have an anchor")
+        for entry in self.versions:
+            if entry.nnz > self.numel:
+                raise ManifestError(
+                    f"version {entry.version} claims {entry.nnz} changed elements of a {self.numel}-element model",
+                    version=entry.version,
+                )
+        keys = [o.key for v in self.versions for o in v.objects()]
+        if len(keys) != len(set(keys)):
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            raise ManifestError(f"manifest names object {twice[0]!r} twice", key=twice[0])
+        retired = {k for k, _ in self.retired}
+        for key, when in self.retired:
+            check_key(key)
+            _check_time(when, f"retirement time of {key}")
+        if retired & set(keys):
+            raise ManifestError(f"object {sorted(retired & set(keys))[0]!r} is both retired and in use")
 
     @property
     def latest(self) -> int | None:
@@ -217,32 +263,34 @@ class Manifest:
         Raises:
             `ManifestError`: malformed JSON, unknown schema, unsafe keys, versions out of order.
         """
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting
-            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        raw = load_json(data, what="manifest", error=ManifestError)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ManifestError("not a deltasync manifest (missing format 'deltasync-manifest')")
         schema = raw.get("schema")
-        if not isinstance(schema, int) or schema > SCHEMA or schema < 1:
+        if not _is_int(schema, 1, SCHEMA + 1):
             raise ManifestError(f"manifest schema {schema!r} is not supported; upgrade deltasync")
         try:
-            retired = tuple((check_key(k), float(t)) for k, t in _list(raw.get("retired", []), "retired"))
-            return cls(
-                run_id=str(raw["run_id"]),
-                fingerprint=str(raw["fingerprint"]),
+            retired = tuple(_retired(item) for item in _list(raw.get("retired", []), "retired"))
+            manifest = cls(
+                run_id=raw["run_id"],
+                fingerprint=raw["fingerprint"],
                 numel=_int(raw["numel"], "numel"),
-                writer=str(raw["writer"]),
-                lease_until=float(raw.get("lease_until", 0.0)),
+                writer=raw["writer"],
+                lease_until=_time(raw.get("lease_until", 0.0), "lease_until"),
                 versions=tuple(VersionEntry.from_json(v) for v in _list(raw.get("versions", []), "versions")),
                 retired=retired,
-                updated=float(raw.get("updated", 0.0)),
+                updated=_time(raw.get("updated", 0.0), "updated"),
                 schema=schema,
             )
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from None
+        if "latest" in raw and raw["latest"] != manifest.latest:
+            raise ManifestError(
+                f"manifest says latest is {raw['latest']!r:.40} but lists versions up to {manifest.latest}"
+            )
+        return manifest
 
 
 def _list(value: Any, what: str) -> list[Any]:
@@ -251,10 +299,37 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
+def _is_int(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is a real integer (not a bool) in ``[low, high)``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _is_hex(value: str) -> bool:
+    return all(c in "0123456789abcdef" for c in value)
+
+
 def _int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ManifestError(f"manifest field {what!r} must be a non-negative integer, got {value!r}")
-    return value
+    if not _is_int(value, 0, MAX_COUNT):
+        raise ManifestError(f"manifest field {what!r} must be a non-negative integer below 2^53, got {value!r:.40}")
+    return value  # type: ignore[no-any-return]
+
+
+def _check_time(value: Any, what: str) -> None:
+    """Epoch seconds: a finite number in ``[0, MAX_EPOCH_S]`` (a NaN lease would compare false both ways)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_EPOCH_S:
+        raise ManifestError(f"manifest field {what!r} must be epoch seconds in [0, 2^36], got {value!r:.40}")
+
+
+def _time(value: Any, what: str) -> float:
+    _check_time(value, what)
+    return float(value)
+
+
+def _retired(item: Any) -> tuple[str, float]:
+    if not isinstance(item, list) or len(item) != 2:
+        raise ManifestError("manifest field 'retired' holds [key, time] pairs")
+    return check_key(item[0]), _time(item[1], "retired time")
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -39,9 +40,10 @@ from typing import Any
 
 import torch
 
-from .codec import DEFAULT_CODEC
+from .codec import DEFAULT_CODEC, codec_names
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
 from .errors import (
+    ConfigError,
     ConflictError,
     DeltaSyncError,
     FingerprintMismatch,
@@ -63,7 +65,7 @@ from .manifest import (
     replace_manifest,
 )
 from .stores import ObjectInfo, Store, open_store
-from .tensors import TensorSpec, fingerprint, published_tensors
+from .tensors import TensorSpec, dtype_name, fingerprint, published_tensors
 
 __all__ = ["Publisher", "PublishInfo", "PublisherStats"]
 
@@ -168,8 +170,16 @@ class Publisher:
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:
-        if anchor_every < 1 or anchor_ratio <= 0 or keep_anchors < 1 or part_bytes < 1 or retire_grace_s < 0:
-            raise ValueError("anchor_every, anchor_ratio, keep_anchors, part_bytes and retire_grace_s must be positive")
+        _check_options(
+            codec=codec, level=level, dtype=dtype, anchor_every=anchor_every, anchor_ratio=anchor_ratio,
+            keep_anchors=keep_anchors, part_bytes=part_bytes, lease_s=lease_s, retire_grace_s=retire_grace_s,
+            chunk=chunk, on_publish=on_publish,
+        )
+        if not isinstance(model, (torch.nn.Module, Mapping)):
+            raise ConfigError(
+                f"model must be an nn.Module or a mapping of name -> tensor, not {type(model).__name__}",
+                argument="model",
+            )
         self.model = model
         self.store = open_store(store, **store_options)
         self.codec, self.level, self.dtype, self.chunk = codec, level, dtype, chunk
@@ -326,12 +336,17 @@ class Publisher:
                 expected=fp,
                 found=current.fingerprint,
             )
-        if current.writer != self.writer and current.lease_until > now and not self._takeover:
+        # Fails closed: a lease is free only once it has provably ended.
+        leased = not current.lease_until <= now
+        if current.writer != self.writer and leased and not self._takeover:
+            left = current.lease_until - now
             raise ConflictError(
-                f"{self.store.url} is owned by writer {current.writer[:8]} until "
-                f"{time.strftime('%H:%M:%S', time.localtime(current.lease_until))}: another trainer is "
-                "publishing here; use another prefix, or pass takeover=True if that trainer is gone",
+                f"{self.store.url} is owned by writer {current.writer[:8]}, whose lease runs {left:.0f} s more "
+                f"(until {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(current.lease_until))}): another "
+                "trainer is publishing here. Use another prefix, wait for the lease to end, or pass "
+                "takeover=True if that trainer is gone",
                 writer=current.writer,
+                lease_left_s=left,
             )
         # Continue the version chain with a fresh anchor: our weights are not the old snapshot.
         self._manifest = replace_manifest(current, writer=self.writer)
@@ -366,7 +381,10 @@ class Publisher:
             raise ConflictError(f"{self.store.url}/{MANIFEST_KEY} keeps changing under this publisher")
         self._manifest, self._etag = retained, info.etag
         for key in due:
-            self.store.delete(key)
+            try:
+                self.store.delete(key)
+            except DeltaSyncError as exc:  # committed regardless; gc or the next takeover sweeps it
+                logger.warning("could not delete retired %s: %s", key, exc)
 
     def _put_manifest(self, manifest: Manifest) -> ObjectInfo:
         data = manifest.to_bytes()
@@ -489,7 +507,7 @@ class Publisher:
         t0 = time.perf_counter()
         refs, t_encode = self._upload_anchor(snapshot, version)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=sum(s.numel for s in snapshot.specs), anchor=refs)
-        self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+        self._commit(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s), refs)
         self._snapshot = snapshot
         self._anchor_version, self._since_anchor = version, 0
         self._report(version, step, "anchor", entry.nnz, refs, t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
@@ -502,7 +520,7 @@ class Publisher:
         t_encode = time.perf_counter() - t0
         ref = self._upload(self._key("deltas", version), data)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
-        self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+        self._commit(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s), (ref,))
         self._snapshot.advance(changes)
         self._since_anchor += ref.size
         self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
@@ -533,7 +551,29 @@ class Publisher:
             VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
             for e in self._manifest.versions
         )
-        self._write_manifest(replace_manifest(self._manifest, versions=versions))
+        self._commit(replace_manifest(self._manifest, versions=versions), refs)
+
+    def _commit(self, manifest: Manifest, uploaded: tuple[ObjectRef, ...]) -> None:
+        """Write ``manifest``; if it surely did not land, delete the objects uploaded for it.
+
+        A version that is not committed is never visible, and its objects would only take
+        space (a full disk fills further with each failed attempt). When the store cannot
+        say whether the write landed, they stay: replicas may already read them.
+        """
+        try:
+            self._write_manifest(manifest)
+        except StoreError:
+            if not self._resync:
+                self._discard(uploaded)
+            raise
+
+    def _discard(self, refs: tuple[ObjectRef, ...] | list[ObjectRef]) -> None:
+        """Delete objects of a version that will not be committed (best effort; gc sweeps the rest)."""
+        for ref in refs:
+            try:
+                self.store.delete(ref.key)
+            except DeltaSyncError as exc:
+                logger.warning("could not delete uncommitted %s: %s", ref.key, exc)
 
     def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
         """Encode parts one after another while earlier parts upload."""
@@ -553,7 +593,16 @@ class Publisher:
             data = encode_anchor(group, version=version, model=self._specs or snapshot.specs, rows=self._rows)
             t_encode += time.perf_counter() - t0
             futures.append(self._uploads.submit(self._upload, f"{prefix}-part{i:04d}", data))
-        return tuple(f.result() for f in futures), t_encode
+        refs, failure = [], None
+        for future in futures:
+            try:
+                refs.append(future.result())
+            except Exception as exc:  # wait for every part, then remove the ones that made it
+                failure = failure or exc
+        if failure is not None:
+            self._discard(refs)
+            raise failure
+        return tuple(refs), t_encode
 
     def _report(
         self, version: int, step: int | None, kind: str, nnz: int, refs: tuple[ObjectRef, ...],
@@ -576,6 +625,35 @@ class Publisher:
                 self.on_publish(info)
             except Exception:  # the version is committed; a user's callback cannot undo that
                 logger.exception("on_publish callback failed for v%d", version)
+
+
+ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCLevel, ZSTD_maxCLevel)
+
+
+def _check_options(
+    *, codec: str, level: int, dtype: torch.dtype | None, anchor_every: int, anchor_ratio: float,
+    keep_anchors: int, part_bytes: int, lease_s: float, retire_grace_s: float, chunk: int,
+    on_publish: Callable[[PublishInfo], None] | None,
+) -> None:
+    """Refuse options that cannot work, naming the argument, before anything is read or written."""
+    if codec not in codec_names() or codec == "dense":
+        sparse = [c for c in codec_names() if c != "dense"]
+        raise ConfigError(f"unknown codec {codec!r}; choose one of {sparse}", argument="codec")
+    if dtype is not None:
+        dtype_name(dtype)  # bf16, fp16 or fp32
+    integers = {"level": (level, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL), "anchor_every": (anchor_every, 1, None), "keep_anchors": (keep_anchors, 1, None),
+                "part_bytes": (part_bytes, 1, None), "chunk": (chunk, 1, None)}
+    for name, (value, low, high) in integers.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{name} must be an integer {span}, got {value!r}", argument=name)
+    reals = {"anchor_ratio": (anchor_ratio, False), "lease_s": (lease_s, False), "retire_grace_s": (retire_grace_s, True)}
+    for name, (value, zero_ok) in reals.items():
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (value == 0 and not zero_ok):
+            raise ConfigError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}", argument=name)
+    if on_publish is not None and not callable(on_publish):
+        raise ConfigError(f"on_publish must be callable, got {type(on_publish).__name__}", argument="on_publish")
 
 
 ORPHAN_GRACE_S = 3600.0  # an object this old that no manifest names was left by a crashed publish

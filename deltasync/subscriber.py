@@ -41,6 +41,7 @@ import numpy as np
 
 from .codec import Decoded
 from .errors import (
+    ConfigError,
     DeltaFormatError,
     DeltaSyncError,
     FingerprintMismatch,
@@ -48,10 +49,10 @@ from .errors import (
     ObjectNotFound,
     VersionError,
 )
-from .format import Header, combine, decode, read_header
-from .manifest import MANIFEST_KEY, Manifest, ObjectRef, Plan, Step, plan_route
+from .format import MAX_HEADER_BYTES, Header, combine, decode, read_header
+from .manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest, ObjectRef, Plan, Step, plan_route
 from .stores import Store, open_store
-from .tensors import TensorSpec
+from .tensors import TensorSpec, describe_differences
 
 __all__ = ["Subscriber", "UpdateInfo", "Applier"]
 
@@ -67,6 +68,8 @@ BAD_RETRY_S = 120.0
 # ``deltasync gc`` deletes acks not rewritten for this long (replicas that are gone); a live
 # replica rewrites its ack on every update.
 ACK_TTL_S = 7 * 86400.0
+MAX_ACK_BYTES = 64 << 10
+MAX_ANCHOR_PARTS_READ = 64  # parts whose headers explain a model mismatch; enough to name what differs  # an ack is a few hundred bytes; anything far larger is not one
 
 
 class Applier(Protocol):
@@ -153,8 +156,7 @@ class Subscriber:
         run_id: str | None = None,
         **store_options: Any,
     ) -> None:
-        if (start_version is None) != (run_id is None) or (start_version is not None and start_version < 0):
-            raise ValueError("pass start_version (a non-negative version) and run_id together, or neither")
+        _check_options(applier, poll_interval, max_poll_interval, fetch_workers, on_update, start_version, run_id)
         self.store = open_store(store, **store_options)
         self.applier = applier
         self.replica_id = _safe_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -167,12 +169,16 @@ class Subscriber:
         self._run_id: str | None = run_id
         self._etag: str | None = None
         self._manifest: Manifest | None = None
-        self._bad: dict[str, float] = {}  # key -> monotonic time until which routes avoid it
-        self._failures: Counter[str] = Counter()
+        # What routes avoid, and until when (monotonic): an object *as a manifest claims it* (its ref,
+        # and the version and kind it is listed as). A refusal sticks to the claim, not the key, so a
+        # forged manifest that mislabels a good object cannot spoil it for the repaired manifest.
+        self._bad: dict[_Claim, float] = {}
+        self._failures: Counter[ObjectRef] = Counter()
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._apply_lock = threading.Lock()
+        self._mismatch: tuple[str, str] | None = None  # (fingerprint, what differs), explained once
 
     # ------------------------------------------------------------------ state
 
@@ -291,15 +297,7 @@ class Subscriber:
             current = self._held(manifest)
             if current == manifest.latest:
                 return None
-            if current is not None and current > manifest.latest:
-                raise VersionError(
-                    f"replica holds v{current} but {self.store.url} ends at v{manifest.latest} of the same "
-                    "run (restored or rolled back?); restart the replica without a start version to resync",
-                    current=current,
-                    latest=manifest.latest,
-                )
-            now = time.monotonic()
-            plan = plan_route(manifest, current, avoid={k for k, until in self._bad.items() if until > now})
+            plan = plan_route(manifest, current, avoid=self._avoided(manifest))
             if plan is None:
                 raise VersionError(
                     f"no usable route from version {current} to {manifest.latest} in {self.store.url}",
@@ -317,8 +315,10 @@ class Subscriber:
     # ------------------------------------------------------------------ internals
 
     def _read_manifest(self) -> Manifest | None:
+        """The newest acceptable manifest. A refused one raises and is not kept: the next poll
+        reads the store again, so a repaired manifest is taken up as soon as it appears."""
         try:
-            got = self.store.get_if_changed(MANIFEST_KEY, self._etag)
+            got = self.store.get_if_changed(MANIFEST_KEY, self._etag, max_bytes=MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             return None
         if got is not None:
@@ -326,27 +326,74 @@ class Subscriber:
             manifest = Manifest.from_bytes(data)
             if manifest.fingerprint != self.applier.fingerprint:
                 raise FingerprintMismatch(
-                    f"{self.store.url} publishes model {manifest.fingerprint}, this replica holds "
-                    f"{self.applier.fingerprint}: point it at the right prefix",
+                    f"{self.store.url} publishes another model than this replica holds "
+                    f"({self._differences(manifest)}): point the replica at the run of its model, or give it "
+                    "that model",
                     expected=self.applier.fingerprint,
                     found=manifest.fingerprint,
                 )
-            if self._manifest and manifest.run_id == self._manifest.run_id and (manifest.latest or 0) < (self._manifest.latest or 0):
+            held = self._held(manifest)
+            if held is not None and (manifest.latest is None or manifest.latest < held):
+                # Measured against what this replica verified and applied, not against the last
+                # manifest it saw: that one may itself have been a forgery (say v10^12).
                 raise VersionError(
-                    f"manifest went backwards ({manifest.latest} < {self._manifest.latest}); ignoring it",
+                    f"{self.store.url} ends at v{manifest.latest} of run {manifest.run_id[:8]}, but this "
+                    f"replica already holds v{held} of it: the manifest went backwards (corrupt, or the store "
+                    f"was rolled back); keeping v{held} until a manifest that reaches it appears (restart the "
+                    "replica without a start version to resync from an anchor)",
+                    current=held,
                     latest=manifest.latest,
                 )
             self._manifest, self._etag = manifest, info.etag
         return self._manifest
 
+    def _differences(self, manifest: Manifest) -> str:
+        """What differs from the run's model, read from its newest anchor's headers (once per run)."""
+        if self._mismatch is not None and self._mismatch[0] == manifest.fingerprint:
+            return self._mismatch[1]
+        anchors = manifest.anchors()
+        text = f"fingerprint {manifest.fingerprint} there, {self.applier.fingerprint} here"
+        if anchors:
+            try:
+                specs = [e.spec for ref in anchors[-1].anchor[:MAX_ANCHOR_PARTS_READ] for e in self._header(ref).tensors.values()]
+                text = describe_differences(specs, self.applier.specs.values())
+            except DeltaSyncError as exc:  # the explanation is best effort; the refusal stands
+                logger.debug("could not read the run's anchor to explain a mismatch: %s", exc)
+        self._mismatch = (manifest.fingerprint, text)
+        return text
+
+    def _header(self, ref: ObjectRef) -> Header:
+        """The header of an object, read by range (two small reads, not the whole file)."""
+        length = int.from_bytes(self.store.get_range(ref.key, 0, 8), "little")
+        if not 0 < length <= min(MAX_HEADER_BYTES, ref.size - 8):
+            raise DeltaFormatError(f"{ref.key}: header length {length} out of range", key=ref.key)
+        head = self.store.get_range(ref.key, 0, 8 + length)
+        return read_header(head)
+
+    def _avoided(self, manifest: Manifest) -> set[str]:
+        """Keys of ``manifest`` that routes must not use now (see ``_bad``)."""
+        now = time.monotonic()
+        out = set()
+        for entry in manifest.versions:
+            for kind, refs in (("delta", entry.delta), ("anchor", entry.anchor)):
+                for ref in refs:
+                    claims = ((ref, entry.version, kind), (ref, None, None))
+                    if any(self._bad.get(claim, 0.0) > now for claim in claims):
+                        out.add(ref.key)
+        return out
+
     def _download(self, ref: ObjectRef) -> bytes:
-        data = self.store.get(ref.key)
+        try:
+            # Never read more than the manifest promises: an endless or oversized object costs nothing.
+            data = self.store.get(ref.key, max_bytes=ref.size)
+        except IntegrityError:
+            data = b""  # larger than promised: counted below like any other mismatch
         if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
             # A truncated transfer may succeed next time; a third failure marks the object bad.
-            self._failures[ref.key] += 1
-            if self._failures[ref.key] >= BAD_AFTER:
-                self._failures[ref.key] = 0
-                self._bad[ref.key] = time.monotonic() + BAD_RETRY_S
+            self._failures[ref] += 1
+            if self._failures[ref] >= BAD_AFTER:
+                self._failures[ref] = 0
+                self._bad[(ref, None, None)] = time.monotonic() + BAD_RETRY_S
             raise IntegrityError(
                 f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
                 f"({ref.size} bytes); object refused",
@@ -415,30 +462,30 @@ class Subscriber:
                         key=ref.key,
                     )
             except DeltaSyncError:
-                self._refuse(ref.key)
+                self._refuse(step, ref)
                 raise
         if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
-            self._refuse(*(r.key for r in step.objects))
+            self._refuse(step, *step.objects)
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
         parts = []
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
                 parts.append(decode(blob, base=self.applier.lookup, header=header))
             except DeltaSyncError:
-                self._refuse(ref.key)
+                self._refuse(step, ref)
                 raise
         try:
             # One file per tensor, or a trainer's shards: each element carried at most once,
             # and an anchor carries all of them.
             return combine(parts, whole=step.kind == "anchor")
         except DeltaSyncError:
-            self._refuse(*(r.key for r in step.objects))
+            self._refuse(step, *step.objects)
             raise
 
-    def _refuse(self, *keys: str) -> None:
-        """Avoid these objects in every later route: their content failed validation."""
-        for key in keys:
-            self._bad[key] = math.inf
+    def _refuse(self, step: Step, *refs: ObjectRef) -> None:
+        """Never use these objects again as ``step`` lists them: their content failed validation."""
+        for ref in refs:
+            self._bad[(ref, step.version, step.kind)] = math.inf
 
     def _set_version(self, run_id: str | None, version: int | None) -> None:
         with self._changed:
@@ -462,6 +509,43 @@ class Subscriber:
             logger.warning("could not write ack: %s", exc)
 
 
+def _check_options(
+    applier: Any, poll_interval: float, max_poll_interval: float, fetch_workers: int,
+    on_update: Any, start_version: int | None, run_id: str | None,
+) -> None:
+    """Refuse arguments that cannot work, naming the argument, before the store is opened."""
+    missing = [a for a in ("fingerprint", "specs", "validate", "lookup", "apply") if not hasattr(applier, a)]
+    if missing:
+        raise ConfigError(
+            f"applier {type(applier).__name__} lacks {missing}: pass an applier such as "
+            "TorchModuleApplier(model)",
+            argument="applier",
+        )
+    for name, value in (("poll_interval", poll_interval), ("max_poll_interval", max_poll_interval)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}", argument=name)
+    if max_poll_interval < poll_interval:
+        raise ConfigError(
+            f"max_poll_interval ({max_poll_interval}) must be at least poll_interval ({poll_interval})",
+            argument="max_poll_interval",
+        )
+    if isinstance(fetch_workers, bool) or not isinstance(fetch_workers, int) or fetch_workers < 1:
+        raise ConfigError(f"fetch_workers must be a positive integer, got {fetch_workers!r}", argument="fetch_workers")
+    if on_update is not None and not callable(on_update):
+        raise ConfigError("on_update must be callable", argument="on_update")
+    if (start_version is None) != (run_id is None) or (
+        start_version is not None
+        and (isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0)
+    ):
+        raise ConfigError(
+            "pass start_version (a non-negative version) and run_id together, or neither", argument="start_version"
+        )
+
+
+# An object as one manifest lists it: its ref, version and kind (``None, None``: any listing).
+_Claim = tuple[ObjectRef, int | None, str | None]
+
+
 def _safe_id(raw: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", raw).strip(".-") or "replica"
     return cleaned[:100]
@@ -472,7 +556,7 @@ def read_acks(store: Store) -> list[dict[str, Any]]:
     acks = []
     for info in store.list("acks/"):
         try:
-            acks.append(json.loads(store.get(info.key)))
+            acks.append(json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES)))
         except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
             continue
     return acks

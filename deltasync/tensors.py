@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DeltaFormatError
+from .errors import ConfigError, DeltaFormatError
 
 __all__ = [
     "TensorSpec",
@@ -22,6 +22,8 @@ __all__ = [
     "dtype_name",
     "bits_dtype",
     "bits_view",
+    "check_publishable",
+    "describe_differences",
     "fingerprint",
     "published_tensors",
     "weights_digest",
@@ -38,13 +40,50 @@ _BITS_BY_SIZE = {2: torch.int16, 4: torch.int32}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """Safetensors name of a publishable dtype (``torch.bfloat16 -> "BF16"``)."""
+    """Safetensors name of a publishable dtype (``torch.bfloat16 -> "BF16"``).
+
+    Raises:
+        `ConfigError`: not one of bf16, fp16, fp32.
+    """
     try:
         return _NAME_BY_DTYPE[dtype]
     except KeyError:
-        raise ValueError(
-            f"cannot publish dtype {dtype}; supported: {sorted(DTYPE_BY_NAME)}"
+        raise ConfigError(
+            f"cannot publish dtype {dtype}; supported: {sorted(DTYPE_BY_NAME)} "
+            "(pass dtype=torch.bfloat16 to publish the bf16 cast of other floating dtypes)",
+            argument="dtype",
         ) from None
+
+
+def check_publishable(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor whose elements deltasync cannot carry exactly.
+
+    The contract: floating-point tensors (bf16, fp16, fp32, and others cast to
+    the published dtype) on any device, any strides. Integer, bool, complex,
+    quantized and sparse tensors are refused rather than cast through a float,
+    which would change them (an int64 ``123457`` is ``123392`` in bf16).
+
+    Raises:
+        `ConfigError`: naming the tensor and what to do.
+    """
+    if tensor.layout != torch.strided:
+        raise ConfigError(
+            f"{name!r} is a {tensor.layout} tensor; deltasync publishes dense tensors: pass tensor.to_dense()",
+            argument=name,
+        )
+    if not tensor.is_floating_point():
+        raise ConfigError(
+            f"{name!r} is {tensor.dtype}: deltasync publishes floating-point weights only (integer, bool and "
+            "complex tensors would change through a bf16 cast). Leave it out of what you publish, e.g. "
+            "{k: v for k, v in state_dict.items() if v.is_floating_point()}",
+            argument=name,
+        )
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape)):
+        raise ConfigError(
+            f"{name!r} is an expanded view (stride 0): its elements share memory, so they cannot be "
+            "written one by one; pass a tensor with its own storage (tensor.contiguous())",
+            argument=name,
+        )
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -87,8 +126,16 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
-        """The spec of ``tensor`` published as ``dtype`` (``None``: its own dtype)."""
-        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+        """The spec of ``tensor`` published as ``dtype`` (``None``: its own dtype).
+
+        Raises:
+            `ConfigError`: the tensor cannot be published exactly (see :func:`check_publishable`).
+        """
+        check_publishable(name, tensor)
+        try:
+            return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+        except ConfigError as exc:
+            raise ConfigError(f"{name!r}: {exc}", argument=name) from None
 
     @property
     def numel(self) -> int:
@@ -114,6 +161,26 @@ def fingerprint(specs: Iterable[TensorSpec]) -> str:
     rows = sorted((s.name, list(s.shape), s.dtype) for s in specs)
     digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode())
     return digest.hexdigest()[:32]
+
+
+def describe_differences(theirs: Iterable[TensorSpec], ours: Iterable[TensorSpec], *, limit: int = 5) -> str:
+    """What differs between two models' published tensors, in one line for an error message.
+
+    Example: ``"missing here: ['lm_head.weight']; layout: 'w' BF16[32, 24] there, BF16[24, 32] here"``.
+    """
+    there, here = {s.name: s for s in theirs}, {s.name: s for s in ours}
+    parts = []
+    missing = sorted(there.keys() - here.keys())
+    extra = sorted(here.keys() - there.keys())
+    if missing:
+        parts.append(f"missing here: {missing[:limit]}" + (f" and {len(missing) - limit} more" if len(missing) > limit else ""))
+    if extra:
+        parts.append(f"not in the run: {extra[:limit]}" + (f" and {len(extra) - limit} more" if len(extra) > limit else ""))
+    changed = [n for n in sorted(there.keys() & here.keys()) if there[n] != here[n]]
+    for name in changed[:limit]:
+        a, b = there[name], here[name]
+        parts.append(f"layout: {name!r} {a.dtype}{list(a.shape)} there, {b.dtype}{list(b.shape)} here")
+    return "; ".join(parts) or "same names, shapes and dtypes"
 
 
 def published_tensors(

@@ -26,3 +26,21 @@ def test_readme_opens_with_the_two_commands() -> None:
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "./scripts/test" in [line.strip() for line in ci]
+
+
+def test_errors_table_lists_every_error_a_user_can_catch() -> None:
+    """The README's "Errors you can catch" table names every class of deltasync.errors, with its builtin."""
+    import builtins
+
+    from deltasync import errors
+
+    section = README.split("## Errors you can catch", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed = {name: row for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    for name in errors.__all__:
+        if name == "DeltaSyncError":
+            continue
+        assert name in listed, f"{name} is missing from README's errors table"
+        cls = getattr(errors, name)
+        builtin = listed[name].split("|")[2].strip().strip("`")
+        assert issubclass(cls, getattr(builtins, builtin)), f"README says {name} is a {builtin}"

@@ -4,7 +4,9 @@ Writes go through ``index_copy_`` into the existing storage of each parameter on
 its own device: O(changed elements), no reallocation, so optimizers, hooks and
 captured graphs that hold the tensors keep seeing the live weights. Parameters
 may be held in the published dtype (bit-exact writes of the bit patterns) or in
-a wider float dtype (values are cast up, which is exact for bf16 -> fp32).
+a wider float dtype (values are cast up, which is exact for bf16 -> fp32), and
+may be non-contiguous views (transposed, sliced): flat indices are logical
+(row-major) positions, written through the tensor's own strides.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
+from ..errors import ConfigError
 from ..format import Header
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors
 from .base import check_header
@@ -37,6 +40,11 @@ class TorchModuleApplier:
         *,
         dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
+        if not isinstance(target, (torch.nn.Module, Mapping)):
+            raise ConfigError(
+                f"target must be an nn.Module or a mapping of name -> tensor, not {type(target).__name__}",
+                argument="target",
+            )
         self._tensors = dict(published_tensors(target))
         self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
@@ -52,8 +60,12 @@ class TorchModuleApplier:
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""
-        flat = self._tensors[name].detach().view(-1)
-        picked = flat.index_select(0, _tensor(indices).to(flat.device))  # ~3.5x faster than flat[idx] on CPU
+        tensor = self._tensors[name].detach()
+        index = _tensor(indices).to(tensor.device)
+        if tensor.is_contiguous():
+            picked = tensor.view(-1).index_select(0, index)  # ~3.5x faster than flat[idx] on CPU
+        else:  # a transposed or sliced view: address elements by their logical coordinates
+            picked = tensor[torch.unravel_index(index, tensor.shape)]
         published = self.specs[name].torch_dtype
         return bits_view(picked.to(published)).cpu().numpy()
 
@@ -67,15 +79,18 @@ class TorchModuleApplier:
         tensor = self._tensors[name]
         published = self.specs[name].torch_dtype
         values = _tensor(patch.values).view(published).to(tensor.device)
-        flat = tensor.detach().view(-1)
+        target = tensor.detach()
         if tensor.dtype == published:
-            flat, values = bits_view(flat), bits_view(values)
+            target, values = bits_view(target), bits_view(values)
         else:
             values = values.to(tensor.dtype)
         if patch.indices is None:
-            flat.copy_(values)
-        else:
-            flat.index_copy_(0, _tensor(patch.indices).to(flat.device), values)
+            target.copy_(values.view(target.shape))
+        elif target.is_contiguous():
+            target.view(-1).index_copy_(0, _tensor(patch.indices).to(target.device), values)
+        else:  # a transposed or sliced view: write through its own strides, still in place
+            coords = torch.unravel_index(_tensor(patch.indices).to(target.device), target.shape)
+            target.index_put_(coords, values)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The receiving tensors by published name (live views, not copies)."""

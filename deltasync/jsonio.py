@@ -1,0 +1,41 @@
+"""Reading JSON that deltasync wrote (manifests, file headers), refusing what parsers read differently.
+
+Two readers of the same bytes must see the same document, or a forged file can
+show one manifest to a checker and another to a replica. Python's ``json``
+keeps the last of duplicate keys, other parsers the first; it accepts the
+non-standard ``NaN`` and ``Infinity`` that others reject. Both are refused here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["load_json"]
+
+
+def load_json(data: bytes, *, what: str, error: type[Exception]) -> Any:
+    """Parse JSON that deltasync wrote, refusing what two parsers could read differently.
+
+    Duplicate object keys (one parser keeps the first, another the last), the
+    non-standard ``NaN`` / ``Infinity`` constants, and integers too long to
+    parse raise ``error``, as does anything that is not JSON.
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise error(f"{what} has the key {key!r:.60} twice")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> Any:
+        raise error(f"{what} holds {name}, which is not JSON")
+
+    try:
+        return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
+    except error:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, overlong integers
+        raise error(f"{what} is not valid JSON: {exc}") from None
