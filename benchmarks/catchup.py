@@ -24,7 +24,7 @@ Reported per policy: bytes fetched, time to reach the latest version and the
 route taken, and what the policy costs the trainer (bytes written, anchors) and
 the store (bytes the manifest still references at the end).
 
-Workload: ``synthetic`` (default) is ``deltasync._workload`` (random sparse
+Workload: ``synthetic`` (default) is ``deltasync.demo.workload`` (random sparse
 updates of 0.05-1 % of each tensor, an occasional dense tensor and special
 values) at ``--scale`` million elements, 134 by default: the size of
 SmolLM2-135M, without the seconds of CPU training per version. ``--workload
@@ -87,8 +87,8 @@ def real_workload() -> tuple[Any, Callable[[int], None]]:
 
 
 def synthetic_workload(scale: int) -> tuple[Any, Callable[[int], None]]:
-    """``scale`` million elements of random sparse updates (``deltasync._workload``)."""
-    from deltasync._workload import make_weights, train_step
+    """``scale`` million elements of random sparse updates (``deltasync.demo.workload``)."""
+    from deltasync.demo.workload import make_weights, train_step
 
     weights = make_weights(scale)
     g = torch.Generator().manual_seed(0)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick,
         "workload": {
             "kind": workload,
-            "model": "SmolLM2-135M-Instruct" if workload == "real" else f"deltasync._workload, scale {scale}",
+            "model": "SmolLM2-135M-Instruct" if workload == "real" else f"deltasync.demo.workload, scale {scale}",
             "optimizer": "AdamW, lr 3e-6, fp32 masters" if workload == "real" else "random sparse updates",
             "numel": measured["numel"], "anchor_bytes": measured["anchor_bytes"],
             "median_delta_bytes": measured["median_delta_bytes"], "train_seconds": round(measured["t_train"], 1),

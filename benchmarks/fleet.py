@@ -1,7 +1,7 @@
 """Fleet: N replica processes following one store, with and without the shared object cache.
 
 A publisher in this process applies random sparse updates to a synthetic model
-(``deltasync._workload``: fp32 and bf16 tensors, about ``--scales`` million
+(``deltasync.demo.workload``: fp32 and bf16 tensors, about ``--scales`` million
 elements) and publishes ``--versions`` deltas after an anchor, one at a time: it
 publishes version v, waits until every replica holds it, then trains the next
 step. Each replica is a spawned process with a real
@@ -9,7 +9,7 @@ step. Each replica is a spawned process with a real
 :class:`~deltasync.appliers.TorchModuleApplier`; its store is tapped by a
 :class:`CountingStore` *below* the cache, so what the tap counts is what the
 object store served. With ``cache_dir`` the replicas share one
-:class:`~deltasync.stores.cache.CachedStore` directory (``/dev/shm``).
+:class:`~deltasync.cache.CachedStore` directory (``/dev/shm``).
 
 Per version: the time from the manifest commit until the last replica applied
 it, and the requests and bytes of version objects the store served to the whole
@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import human_bytes, loopback_store, machine, median, results_dir, table, write_json  # noqa: E402
 
-from deltasync._workload import make_weights, train_step  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.demo import CommitHasher  # noqa: E402
+from deltasync.demo.workload import make_weights, train_step  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY  # noqa: E402
 from deltasync.publisher import Publisher  # noqa: E402
 from deltasync.stores import ObjectInfo, Store, open_store  # noqa: E402

@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, loopback_store, machine, write_json  # noqa: E402
 
-from deltasync._workload import make_weights, train_step  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.demo.workload import make_weights, train_step  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys  # noqa: E402
 from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
 from deltasync.stores import open_store  # noqa: E402

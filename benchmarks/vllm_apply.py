@@ -50,7 +50,7 @@ def main() -> None:
     import safetensors.torch
     import torch
 
-    from deltasync.appliers._vllm_wire import pack
+    from deltasync.appliers.wire import pack
     from deltasync.appliers.vllm_follower import VLLMFollower
     from deltasync.format import decode
     from deltasync.models import smollm2_checkpoint

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from .errors import ManifestError
 from .jsonio import load_json
-from .stores.base import check_key
+from .keys import MANIFEST_KEY, check_key
 
 __all__ = [
     "MANIFEST_KEY",
@@ -37,7 +37,6 @@ __all__ = [
     "plan_retention",
 ]
 
-MANIFEST_KEY = "manifest.json"
 SCHEMA = 1
 FORMAT = "deltasync-manifest"
 # Objects dropped from the manifest stay this long before deletion, so a replica

@@ -20,16 +20,16 @@ anchor is committed in its own manifest write right after the delta of the
 same version, so existing replicas never wait for it.
 
 One writer owns a run prefix: the manifest records the writer and a lease.
-Manifest writes are compare-and-swap where the backend supports it; elsewhere
-(HF buckets) the writer re-reads the manifest before writing. A second
-publisher on a live prefix gets :class:`~deltasync.errors.ConflictError`.
+:class:`~deltasync.commit.ManifestWriter` takes the prefix, writes the
+manifest (compare-and-swap where the backend supports it) and applies
+retention; a second publisher on a live prefix gets
+:class:`~deltasync.errors.ConflictError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -40,42 +40,23 @@ from typing import Any
 
 import torch
 
-from .codec import DEFAULT_CODEC, codec_names
+from .codec import DEFAULT_CODEC
+from .commit import ORPHAN_GRACE_S as ORPHAN_GRACE_S  # re-exported; defined with the commit rules
+from .commit import ManifestWriter
+from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
-from .errors import (
-    ConfigError,
-    ConflictError,
-    DeltaSyncError,
-    FingerprintMismatch,
-    ObjectNotFound,
-    PreconditionFailed,
-    StoreError,
-)
+from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch
 from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
-from .manifest import (
-    MANIFEST_KEY,
-    RETIRE_GRACE_S,
-    Manifest,
-    ObjectRef,
-    VersionEntry,
-    deletable,
-    new_manifest,
-    plan_retention,
-    referenced_keys,
-    replace_manifest,
-)
-from .stores import ObjectInfo, Store, open_store
-from .tensors import TensorSpec, dtype_name, fingerprint, published_tensors
+from .keys import anchor_part_key, anchor_prefix, delta_key
+from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
+from .publish_options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, check_options
+from .stores import Store, open_store
+from .tensors import TensorSpec, fingerprint, published_tensors
 
-__all__ = ["Publisher", "PublishInfo", "PublisherStats"]
+__all__ = ["Publisher", "PublishInfo", "PublisherStats", "ORPHAN_GRACE_S", "sweep_orphans"]
 
 logger = logging.getLogger("deltasync.publisher")
 
-ANCHOR_EVERY = 100  # versions; the public TRL prototype anchors every 10 syncs, adaptive anchors cover drift
-ANCHOR_RATIO = 1.0  # deltas since the last anchor may add up to one anchor: catch-up <= 2 anchors of bytes
-KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch-up is never stranded
-PART_BYTES = 256 << 20  # anchor part size: large enough for throughput, small enough to pipeline
-LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
 MAX_ERRORS_KEPT = 20  # recent failure messages kept in stats during an outage
 # The first publish waits this long for the prefix to be opened in the background, so a
 # second trainer or another model's prefix is refused at once, while a store that is down
@@ -170,7 +151,7 @@ class Publisher:
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:
-        _check_options(
+        check_options(
             codec=codec, level=level, dtype=dtype, anchor_every=anchor_every, anchor_ratio=anchor_ratio,
             keep_anchors=keep_anchors, part_bytes=part_bytes, lease_s=lease_s, retire_grace_s=retire_grace_s,
             chunk=chunk, on_publish=on_publish,
@@ -183,15 +164,14 @@ class Publisher:
         self.model = model
         self.store = open_store(store, **store_options)
         self.codec, self.level, self.dtype, self.chunk = codec, level, dtype, chunk
-        self.anchor_every, self.anchor_ratio, self.keep_anchors = anchor_every, anchor_ratio, keep_anchors
-        self.part_bytes, self.lease_s, self.retire_grace_s = part_bytes, lease_s, retire_grace_s
+        self.anchor_every, self.anchor_ratio, self.part_bytes = anchor_every, anchor_ratio, part_bytes
         self.on_publish = on_publish
-        self.writer = uuid.uuid4().hex
         self.stats = PublisherStats()
+        self._commits = ManifestWriter(
+            self.store, writer=uuid.uuid4().hex, lease_s=lease_s, keep_anchors=keep_anchors,
+            retire_grace_s=retire_grace_s, takeover=takeover,
+        )
         self._snapshot: Snapshot | None = None
-        self._manifest: Manifest | None = None
-        self._etag: str | None = None
-        self._takeover = takeover
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-publish")
         self._uploads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deltasync-upload")
         self._inflight: Any = None
@@ -199,7 +179,6 @@ class Publisher:
         self._dirty = False
         self._fatal: DeltaSyncError | None = None
         self._last_error: BaseException | None = None
-        self._resync = False
         self._coalesced_now = 0
         self._anchor_version = 0
         self._since_anchor = 0
@@ -219,6 +198,30 @@ class Publisher:
     def version(self) -> int | None:
         """The newest committed version, or ``None`` before the first commit."""
         return self._manifest.latest if self._manifest else None
+
+    @property
+    def writer(self) -> str:
+        """This publisher's id, recorded in the manifest as the prefix's owner."""
+        return self._commits.writer
+
+    @property
+    def lease_s(self) -> float:
+        """How long each manifest write holds the prefix."""
+        return self._commits.lease_s
+
+    @property
+    def keep_anchors(self) -> int:
+        """Anchors (and the versions after them) kept by retention."""
+        return self._commits.keep_anchors
+
+    @property
+    def retire_grace_s(self) -> float:
+        """How long objects dropped by retention stay in the store."""
+        return self._commits.retire_grace_s
+
+    @property
+    def _manifest(self) -> Manifest | None:
+        return self._commits.manifest
 
     def publish(self, step: int | None = None, *, block: bool = False) -> bool:
         """Publish the current weights as the next version.
@@ -249,8 +252,8 @@ class Publisher:
                 return False
             self._inflight.result()
         started = time.perf_counter()
-        if self._resync:  # the store's state is uncertain: re-read it and re-anchor
-            self._snapshot, self._resync = None, False
+        if self._commits.resync:  # the store's state is uncertain: re-read it and re-anchor
+            self._snapshot, self._commits.resync = None, False
         first = self._snapshot is None
         if first:
             snapshot = Snapshot.capture(self.model, dtype=self.dtype)
@@ -290,21 +293,13 @@ class Publisher:
             return
         try:
             self.flush()
-            self._release_lease()
+            if self._fatal is None:  # let the next trainer on this prefix start without takeover=True
+                self._commits.release()
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._uploads.shutdown(wait=True)
             self.store.close()
-
-    def _release_lease(self) -> None:
-        """Let the next trainer on this prefix start without ``takeover=True``."""
-        if self._manifest is None or self._manifest.latest is None or self._fatal is not None:
-            return
-        try:
-            self._write_manifest(self._manifest, lease_s=0.0)
-        except DeltaSyncError as exc:
-            logger.warning("could not release the lease on %s: %s", self.store.url, exc)
 
     def __enter__(self) -> Publisher:
         return self
@@ -312,150 +307,10 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ ownership
-
     def _open(self) -> None:
-        """Read the prefix's manifest and take ownership, or refuse."""
+        """Take ownership of the prefix for this model (see :meth:`ManifestWriter.open`)."""
         live = self._specs or self._model_specs
-        fp, numel = fingerprint(live), sum(s.numel for s in live)
-        try:
-            got = self.store.get_if_changed(MANIFEST_KEY, None)
-        except ObjectNotFound:
-            got = None
-        now = time.time()
-        if got is None:
-            self._manifest = new_manifest(run_id=uuid.uuid4().hex, fingerprint=fp, numel=numel, writer=self.writer, lease_s=self.lease_s)
-            self._etag = None
-            return
-        data, info = got
-        current = Manifest.from_bytes(data)
-        if current.fingerprint != fp:
-            raise FingerprintMismatch(
-                f"{self.store.url} holds versions of another model ({current.fingerprint}); "
-                "publish to a new prefix",
-                expected=fp,
-                found=current.fingerprint,
-            )
-        # Fails closed: a lease is free only once it has provably ended.
-        leased = not current.lease_until <= now
-        if current.writer != self.writer and leased and not self._takeover:
-            left = current.lease_until - now
-            raise ConflictError(
-                f"{self.store.url} is owned by writer {current.writer[:8]}, whose lease runs {left:.0f} s more "
-                f"(until {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(current.lease_until))}): another "
-                "trainer is publishing here. Use another prefix, wait for the lease to end, or pass "
-                "takeover=True if that trainer is gone",
-                writer=current.writer,
-                lease_left_s=left,
-            )
-        # Continue the version chain with a fresh anchor: our weights are not the old snapshot.
-        self._manifest = replace_manifest(current, writer=self.writer)
-        self._etag = info.etag
-        removed = sweep_orphans(self.store, current, now=now)
-        if removed:
-            logger.info("removed %d orphaned objects of an interrupted publish", len(removed))
-
-    def _write_manifest(self, manifest: Manifest, *, lease_s: float | None = None) -> None:
-        now = time.time()
-        retained = plan_retention(manifest, keep_anchors=self.keep_anchors, now=now)
-        due, retained = deletable(retained, now=now, grace=self.retire_grace_s)
-        lease = self.lease_s if lease_s is None else lease_s
-        retained = replace_manifest(retained, updated=now, lease_until=now + lease)
-        for _ in range(3):
-            try:
-                info = self._put_manifest(retained)
-                break
-            except PreconditionFailed:
-                # Someone else wrote the manifest: a rival writer (stop), or an operator's gc
-                # that removed retired keys (merge and retry).
-                retained = self._merge_foreign_edit(retained)
-            except StoreError:
-                # The write may have landed even though the call failed (a lost acknowledgement):
-                # replicas could already hold it, so find out before anything else is written.
-                landed = self._landed(retained)
-                if landed is None:
-                    raise
-                info = landed
-                break
-        else:
-            raise ConflictError(f"{self.store.url}/{MANIFEST_KEY} keeps changing under this publisher")
-        self._manifest, self._etag = retained, info.etag
-        for key in due:
-            try:
-                self.store.delete(key)
-            except DeltaSyncError as exc:  # committed regardless; gc or the next takeover sweeps it
-                logger.warning("could not delete retired %s: %s", key, exc)
-
-    def _put_manifest(self, manifest: Manifest) -> ObjectInfo:
-        data = manifest.to_bytes()
-        if self.store.conditional_writes:
-            if self._etag is None:
-                return self.store.put(MANIFEST_KEY, data, mode="create")
-            return self.store.put(MANIFEST_KEY, data, if_match=self._etag)
-        self._check_owner_best_effort()
-        info = self.store.put(MANIFEST_KEY, data)
-        self._check_owner_best_effort(after_write=True)
-        return info
-
-    def _landed(self, attempted: Manifest) -> ObjectInfo | None:
-        """The stored manifest's info if it is exactly ``attempted``; ``None`` if it is not.
-
-        When even the read-back fails, the store's state is unknown: the next
-        publish starts over from the stored manifest with a fresh anchor, which
-        makes every replica exact whatever it applied.
-        """
-        try:
-            got = self.store.get_if_changed(MANIFEST_KEY, None)
-        except DeltaSyncError:
-            self._resync = True
-            return None
-        if got is not None and got[0] == attempted.to_bytes():
-            logger.warning("manifest write reported a failure but landed; treating v%s as committed", attempted.latest)
-            return got[1]
-        return None
-
-    def _merge_foreign_edit(self, ours: Manifest) -> Manifest:
-        try:
-            data, info = self.store.get_if_changed(MANIFEST_KEY, None) or (b"", None)
-            theirs = Manifest.from_bytes(data)
-        except ObjectNotFound:
-            theirs = None
-        if theirs is None or theirs.writer != self.writer or info is None:
-            raise ConflictError(
-                f"another writer changed {self.store.url}/{MANIFEST_KEY}: this publisher lost the prefix "
-                "(a second trainer, or a takeover); stop one of them",
-            )
-        if self._manifest is not None and theirs.versions != self._manifest.versions:
-            # Our own id wrote versions we do not know about (a write we believed failed):
-            # never overwrite them; start over from the stored manifest with an anchor.
-            self._resync = True
-            raise StoreError(
-                f"{self.store.url}/{MANIFEST_KEY} holds versions this publisher did not confirm; "
-                "the next publish re-anchors",
-                key=MANIFEST_KEY,
-            )
-        # Only retired keys may differ (gc deleted some): keep ours minus what is already gone.
-        gone = {k for k, _ in (self._manifest.retired if self._manifest else ())} - {k for k, _ in theirs.retired}
-        self._etag = info.etag
-        return replace_manifest(ours, retired=tuple((k, t) for k, t in ours.retired if k not in gone))
-
-    def _check_owner_best_effort(self, *, after_write: bool = False) -> None:
-        """Without conditional writes: refuse to write over, or to keep, another writer's manifest.
-
-        Read before the write catches a takeover; read after the write catches
-        two writers racing to create the prefix (the later write wins the store,
-        the earlier writer sees it and stops).
-        """
-        try:
-            current = Manifest.from_bytes(self.store.get(MANIFEST_KEY))
-        except ObjectNotFound:
-            return
-        if current.writer != self.writer and (after_write or self._etag is not None):
-            raise ConflictError(
-                f"writer {current.writer[:8]} owns {self.store.url}: another trainer is publishing here; "
-                "stop one of them or use another prefix",
-                writer=current.writer,
-            )
+        self._commits.open(fingerprint=fingerprint(live), numel=sum(s.numel for s in live))
 
     # ------------------------------------------------------------------ worker
 
@@ -479,14 +334,9 @@ class Publisher:
             self._last_error = None
             raise error
 
-    def _upload(self, prefix: str, data: bytes) -> ObjectRef:
-        key = f"{prefix}.safetensors"
+    def _upload(self, key: str, data: bytes) -> ObjectRef:
         self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
         return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank)
-
-    def _key(self, kind: str, version: int) -> str:
-        rank = "" if self._rank is None else f"-r{self._rank:05d}"
-        return f"{kind}/{version:010d}-{uuid.uuid4().hex[:8]}{rank}"
 
     def _encode_delta(self, changes: ChangeSet, version: int) -> bytes:
         return encode_delta(
@@ -506,11 +356,12 @@ class Publisher:
         version = 0 if self._manifest.latest is None else self._manifest.latest + 1
         t0 = time.perf_counter()
         refs, t_encode = self._upload_anchor(snapshot, version)
-        entry = VersionEntry(version, step=step, time=time.time(), nnz=sum(s.numel for s in snapshot.specs), anchor=refs)
-        self._commit(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s), refs)
+        numel = sum(s.numel for s in snapshot.specs)
+        self._commits.commit_version(VersionEntry(version, step=step, time=time.time(), nnz=numel, anchor=refs), refs)
         self._snapshot = snapshot
         self._anchor_version, self._since_anchor = version, 0
-        self._report(version, step, "anchor", entry.nnz, refs, t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
+        t_upload = time.perf_counter() - t0 - t_encode
+        self._report(version, step, "anchor", numel, refs, t_diff, t_encode, t_upload, started)
 
     def _commit_delta(self, changes: ChangeSet, step: int | None, started: float, t_diff: float) -> None:
         assert self._manifest is not None and self._snapshot is not None
@@ -518,12 +369,13 @@ class Publisher:
         t0 = time.perf_counter()
         data = self._encode_delta(changes, version)
         t_encode = time.perf_counter() - t0
-        ref = self._upload(self._key("deltas", version), data)
+        ref = self._upload(delta_key(version, rank=self._rank), data)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
-        self._commit(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s), (ref,))
+        self._commits.commit_version(entry, (ref,))
         self._snapshot.advance(changes)
         self._since_anchor += ref.size
-        self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, time.perf_counter() - t0 - t_encode, started)
+        t_upload = time.perf_counter() - t0 - t_encode
+        self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, t_upload, started)
         if self._anchor_due(version):
             self._commit_anchor(version, step)
 
@@ -539,45 +391,14 @@ class Publisher:
         assert self._manifest is not None and self._snapshot is not None
         t0 = time.perf_counter()
         refs, t_encode = self._upload_anchor(self._snapshot, version)
-        self._attach_anchor(version, refs)
+        self._commits.attach_anchor(version, refs)
         self._anchor_version, self._since_anchor = version, 0
         numel = sum(s.numel for s in self._snapshot.specs)
         self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
 
-    def _attach_anchor(self, version: int, refs: tuple[ObjectRef, ...]) -> None:
-        """Add anchor objects to the already committed ``version`` (one manifest write)."""
-        assert self._manifest is not None and self._manifest.entry(version) is not None
-        versions = tuple(
-            VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
-            for e in self._manifest.versions
-        )
-        self._commit(replace_manifest(self._manifest, versions=versions), refs)
-
-    def _commit(self, manifest: Manifest, uploaded: tuple[ObjectRef, ...]) -> None:
-        """Write ``manifest``; if it surely did not land, delete the objects uploaded for it.
-
-        A version that is not committed is never visible, and its objects would only take
-        space (a full disk fills further with each failed attempt). When the store cannot
-        say whether the write landed, they stay: replicas may already read them.
-        """
-        try:
-            self._write_manifest(manifest)
-        except StoreError:
-            if not self._resync:
-                self._discard(uploaded)
-            raise
-
-    def _discard(self, refs: tuple[ObjectRef, ...] | list[ObjectRef]) -> None:
-        """Delete objects of a version that will not be committed (best effort; gc sweeps the rest)."""
-        for ref in refs:
-            try:
-                self.store.delete(ref.key)
-            except DeltaSyncError as exc:
-                logger.warning("could not delete uncommitted %s: %s", ref.key, exc)
-
     def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
         """Encode parts one after another while earlier parts upload."""
-        prefix = self._key("anchors", version)
+        prefix = anchor_prefix(version, rank=self._rank)
         groups: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, tensor in snapshot.items():
@@ -592,7 +413,7 @@ class Publisher:
             t0 = time.perf_counter()
             data = encode_anchor(group, version=version, model=self._specs or snapshot.specs, rows=self._rows)
             t_encode += time.perf_counter() - t0
-            futures.append(self._uploads.submit(self._upload, f"{prefix}-part{i:04d}", data))
+            futures.append(self._uploads.submit(self._upload, anchor_part_key(prefix, i), data))
         refs, failure = [], None
         for future in futures:
             try:
@@ -600,7 +421,7 @@ class Publisher:
             except Exception as exc:  # wait for every part, then remove the ones that made it
                 failure = failure or exc
         if failure is not None:
-            self._discard(refs)
+            self._commits.discard(refs)
             raise failure
         return tuple(refs), t_encode
 
@@ -625,55 +446,3 @@ class Publisher:
                 self.on_publish(info)
             except Exception:  # the version is committed; a user's callback cannot undo that
                 logger.exception("on_publish callback failed for v%d", version)
-
-
-ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCLevel, ZSTD_maxCLevel)
-
-
-def _check_options(
-    *, codec: str, level: int, dtype: torch.dtype | None, anchor_every: int, anchor_ratio: float,
-    keep_anchors: int, part_bytes: int, lease_s: float, retire_grace_s: float, chunk: int,
-    on_publish: Callable[[PublishInfo], None] | None,
-) -> None:
-    """Refuse options that cannot work, naming the argument, before anything is read or written."""
-    if codec not in codec_names() or codec == "dense":
-        sparse = [c for c in codec_names() if c != "dense"]
-        raise ConfigError(f"unknown codec {codec!r}; choose one of {sparse}", argument="codec")
-    if dtype is not None:
-        dtype_name(dtype)  # bf16, fp16 or fp32
-    integers = {"level": (level, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL), "anchor_every": (anchor_every, 1, None), "keep_anchors": (keep_anchors, 1, None),
-                "part_bytes": (part_bytes, 1, None), "chunk": (chunk, 1, None)}
-    for name, (value, low, high) in integers.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            span = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(f"{name} must be an integer {span}, got {value!r}", argument=name)
-    reals = {"anchor_ratio": (anchor_ratio, False), "lease_s": (lease_s, False), "retire_grace_s": (retire_grace_s, True)}
-    for name, (value, zero_ok) in reals.items():
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value < 0 or (value == 0 and not zero_ok):
-            raise ConfigError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}", argument=name)
-    if on_publish is not None and not callable(on_publish):
-        raise ConfigError(f"on_publish must be callable, got {type(on_publish).__name__}", argument="on_publish")
-
-
-ORPHAN_GRACE_S = 3600.0  # an object this old that no manifest names was left by a crashed publish
-
-
-def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S) -> list[str]:
-    """Delete version objects that no manifest names and that are older than ``grace``.
-
-    Such objects come from a publish that crashed between its uploads and its
-    manifest write; readers never saw them. The grace period protects the
-    uploads of a publish in progress.
-    """
-    referenced = referenced_keys(manifest)
-    removed = []
-    for prefix in ("deltas/", "anchors/"):
-        for info in store.list(prefix):
-            if info.key in referenced:
-                continue
-            if info.modified is None or now - info.modified < grace:
-                continue  # unknown or young: may belong to a publish in progress
-            store.delete(info.key)
-            removed.append(info.key)
-    return removed

@@ -43,6 +43,7 @@ import torch
 
 from .diff import ChangeSet, Snapshot, diff
 from .errors import ConflictError, FingerprintMismatch, StoreError
+from .keys import delta_key
 from .manifest import ObjectRef, VersionEntry
 from .publisher import Publisher
 from .stores import Store
@@ -257,8 +258,8 @@ class ShardedPublisher(Publisher):
             return False
         started = time.perf_counter()
         self.model = self._local()
-        if self._resync:
-            self._snapshot, self._resync = None, False
+        if self._commits.resync:
+            self._snapshot, self._commits.resync = None, False
         if self._snapshot is None:
             snapshot = Snapshot.capture(self.model, dtype=self.dtype)
             t_diff = time.perf_counter() - started
@@ -329,7 +330,7 @@ class ShardedPublisher(Publisher):
             elif changes is not None and changes.nnz:
                 data = self._encode_delta(changes, version)
                 t_encode = time.perf_counter() - t0
-                refs, nnz = (self._upload(self._key("deltas", version), data),), changes.nnz
+                refs, nnz = (self._upload(delta_key(version, rank=self._rank), data),), changes.nnz
             else:
                 refs, nnz, t_encode = (), 0, 0.0
             upload = time.perf_counter() - t0 - t_encode
@@ -346,15 +347,14 @@ class ShardedPublisher(Publisher):
             return failed
         if not refs:
             return ("empty",)
-        assert self._manifest is not None
         nnz = sum(g[2] for g in gathered)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=nnz, **{kind: refs})  # type: ignore[arg-type]
         try:
-            self._write_manifest(self._manifest.with_version(entry, now=time.time(), lease_s=self.lease_s))
+            self._commits.commit_version(entry)  # the shards stay if it fails: gc sweeps them
         except ConflictError as exc:
             return ("fatal", type(exc).__name__, str(exc))
         except Exception as exc:
-            return ("error", f"manifest: {type(exc).__name__}: {exc}", self._resync)
+            return ("error", f"manifest: {type(exc).__name__}: {exc}", self._commits.resync)
         if kind == "delta":
             self._since_anchor += sum(r.size for r in refs)
         return ("committed", version, kind == "delta" and self._anchor_due(version))
@@ -366,7 +366,7 @@ class ShardedPublisher(Publisher):
         errors = [g[1] for g in gathered if g[0] != "ok"]
         if not errors:
             return refs, None
-        self._discard(refs)
+        self._commits.discard(refs)
         return refs, ("error", "; ".join(errors), False)
 
     def _settle(self, outcome: tuple[Any, ...]) -> None:
@@ -377,7 +377,7 @@ class ShardedPublisher(Publisher):
             raise self._fatal
         if outcome[0] == "error":
             if outcome[2]:
-                self._resync = True  # rank 0 could not tell whether its manifest write landed
+                self._commits.resync = True  # rank 0 could not tell whether its manifest write landed
             raise StoreError(f"sharded version not committed: {outcome[1]}")
 
     def _account(
@@ -410,7 +410,7 @@ class ShardedPublisher(Publisher):
                 outcome = failed
             else:
                 try:
-                    self._attach_anchor(version, refs)
+                    self._commits.attach_anchor(version, refs)
                     numel = sum(s.numel for s in self.layout.specs)
                     t_encode = max(g[3] for g in gathered)
                     t_upload = time.perf_counter() - t0 - t_encode
@@ -418,7 +418,7 @@ class ShardedPublisher(Publisher):
                 except ConflictError as exc:
                     outcome = ("fatal", type(exc).__name__, str(exc))
                 except Exception as exc:
-                    outcome = ("error", f"anchor manifest: {type(exc).__name__}: {exc}", self._resync)
+                    outcome = ("error", f"anchor manifest: {type(exc).__name__}: {exc}", self._commits.resync)
         outcome = self._broadcast(outcome)
         if outcome[0] == "ok":
             self._anchor_version, self._since_anchor = version, 0

@@ -17,72 +17,40 @@ along a route leaves it at the last whole version it reached.
 Code that needs a version blocks on :meth:`Subscriber.wait_for` (a condition
 variable), never a sleep loop. Replicas may write ``acks/<replica>.json`` so
 ``deltasync status`` can show the fleet without a control plane.
+
+This module owns the replica's state and loop (which manifest to trust, which
+version is held, when to poll); :mod:`deltasync.fetch` downloads and vets a
+route's objects, :mod:`deltasync.acks` reads and writes acknowledgements.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
-import re
 import socket
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
-from .codec import Decoded
-from .errors import (
-    ConfigError,
-    DeltaFormatError,
-    DeltaSyncError,
-    FingerprintMismatch,
-    IntegrityError,
-    ObjectNotFound,
-    VersionError,
-)
-from .format import MAX_HEADER_BYTES, Header, combine, decode, read_header
-from .manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest, ObjectRef, Plan, Step, plan_route
+from .acks import ACK_TTL_S, read_acks, safe_replica_id, write_ack
+from .errors import ConfigError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, VersionError
+from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher
+from .keys import MANIFEST_KEY
+from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
 from .stores import Store, open_store
-from .tensors import TensorSpec, describe_differences
 
-__all__ = ["Subscriber", "UpdateInfo", "Applier"]
+__all__ = ["Subscriber", "UpdateInfo", "Applier", "read_acks", "ACK_TTL_S", "BAD_AFTER", "BAD_RETRY_S"]
 
 logger = logging.getLogger("deltasync.subscriber")
 
 POLL_INTERVAL_S = 1.0  # first poll interval after a change
 MAX_POLL_INTERVAL_S = 15.0  # idle backoff cap: a change is seen within 15 s at worst
 FETCH_WORKERS = 4  # parallel downloads
-BAD_AFTER = 3  # hash/size failures of one object before routes avoid it
-# Routes avoid an object that failed BAD_AFTER transfers for this long, then try it again
-# (a flaky link heals; an object that fails validation is avoided for good).
-BAD_RETRY_S = 120.0
-# ``deltasync gc`` deletes acks not rewritten for this long (replicas that are gone); a live
-# replica rewrites its ack on every update.
-ACK_TTL_S = 7 * 86400.0
-MAX_ACK_BYTES = 64 << 10
-MAX_ANCHOR_PARTS_READ = 64  # parts whose headers explain a model mismatch; enough to name what differs  # an ack is a few hundred bytes; anything far larger is not one
-
-
-class Applier(Protocol):
-    """Where a subscriber writes: validates files against, reads from and patches the weights."""
-
-    fingerprint: str
-    specs: dict[str, TensorSpec]
-
-    def validate(self, header: Header) -> None: ...
-
-    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray: ...
-
-    def apply(self, decoded: dict[str, Decoded]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,26 +127,20 @@ class Subscriber:
         _check_options(applier, poll_interval, max_poll_interval, fetch_workers, on_update, start_version, run_id)
         self.store = open_store(store, **store_options)
         self.applier = applier
-        self.replica_id = _safe_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.replica_id = safe_replica_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.ack = ack
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
         self.stats = SubscriberStats()
         self._hooks: list[Callable[[UpdateInfo], None]] = [on_update] if on_update else []
-        self._fetch = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="deltasync-fetch")
         self._version: int | None = start_version
         self._run_id: str | None = run_id
         self._etag: str | None = None
         self._manifest: Manifest | None = None
-        # What routes avoid, and until when (monotonic): an object *as a manifest claims it* (its ref,
-        # and the version and kind it is listed as). A refusal sticks to the claim, not the key, so a
-        # forged manifest that mislabels a good object cannot spoil it for the repaired manifest.
-        self._bad: dict[_Claim, float] = {}
-        self._failures: Counter[ObjectRef] = Counter()
+        self._fetcher = Fetcher(self.store, applier, workers=fetch_workers)
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._apply_lock = threading.Lock()
-        self._mismatch: tuple[str, str] | None = None  # (fingerprint, what differs), explained once
 
     # ------------------------------------------------------------------ state
 
@@ -238,7 +200,7 @@ class Subscriber:
     def close(self) -> None:
         """Stop and release threads and the store."""
         self.stop()
-        self._fetch.shutdown(wait=True)
+        self._fetcher.close()
         self.store.close()
 
     def __enter__(self) -> Subscriber:
@@ -297,7 +259,7 @@ class Subscriber:
             current = self._held(manifest)
             if current == manifest.latest:
                 return None
-            plan = plan_route(manifest, current, avoid=self._avoided(manifest))
+            plan = plan_route(manifest, current, avoid=self._fetcher.avoided(manifest))
             if plan is None:
                 raise VersionError(
                     f"no usable route from version {current} to {manifest.latest} in {self.store.url}",
@@ -327,8 +289,8 @@ class Subscriber:
             if manifest.fingerprint != self.applier.fingerprint:
                 raise FingerprintMismatch(
                     f"{self.store.url} publishes another model than this replica holds "
-                    f"({self._differences(manifest)}): point the replica at the run of its model, or give it "
-                    "that model",
+                    f"({self._fetcher.explain_mismatch(manifest)}): point the replica at the run of its "
+                    "model, or give it that model",
                     expected=self.applier.fingerprint,
                     found=manifest.fingerprint,
                 )
@@ -347,69 +309,15 @@ class Subscriber:
             self._manifest, self._etag = manifest, info.etag
         return self._manifest
 
-    def _differences(self, manifest: Manifest) -> str:
-        """What differs from the run's model, read from its newest anchor's headers (once per run)."""
-        if self._mismatch is not None and self._mismatch[0] == manifest.fingerprint:
-            return self._mismatch[1]
-        anchors = manifest.anchors()
-        text = f"fingerprint {manifest.fingerprint} there, {self.applier.fingerprint} here"
-        if anchors:
-            try:
-                specs = [e.spec for ref in anchors[-1].anchor[:MAX_ANCHOR_PARTS_READ] for e in self._header(ref).tensors.values()]
-                text = describe_differences(specs, self.applier.specs.values())
-            except DeltaSyncError as exc:  # the explanation is best effort; the refusal stands
-                logger.debug("could not read the run's anchor to explain a mismatch: %s", exc)
-        self._mismatch = (manifest.fingerprint, text)
-        return text
-
-    def _header(self, ref: ObjectRef) -> Header:
-        """The header of an object, read by range (two small reads, not the whole file)."""
-        length = int.from_bytes(self.store.get_range(ref.key, 0, 8), "little")
-        if not 0 < length <= min(MAX_HEADER_BYTES, ref.size - 8):
-            raise DeltaFormatError(f"{ref.key}: header length {length} out of range", key=ref.key)
-        head = self.store.get_range(ref.key, 0, 8 + length)
-        return read_header(head)
-
-    def _avoided(self, manifest: Manifest) -> set[str]:
-        """Keys of ``manifest`` that routes must not use now (see ``_bad``)."""
-        now = time.monotonic()
-        out = set()
-        for entry in manifest.versions:
-            for kind, refs in (("delta", entry.delta), ("anchor", entry.anchor)):
-                for ref in refs:
-                    claims = ((ref, entry.version, kind), (ref, None, None))
-                    if any(self._bad.get(claim, 0.0) > now for claim in claims):
-                        out.add(ref.key)
-        return out
-
-    def _download(self, ref: ObjectRef) -> bytes:
-        try:
-            # Never read more than the manifest promises: an endless or oversized object costs nothing.
-            data = self.store.get(ref.key, max_bytes=ref.size)
-        except IntegrityError:
-            data = b""  # larger than promised: counted below like any other mismatch
-        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-            # A truncated transfer may succeed next time; a third failure marks the object bad.
-            self._failures[ref] += 1
-            if self._failures[ref] >= BAD_AFTER:
-                self._failures[ref] = 0
-                self._bad[(ref, None, None)] = time.monotonic() + BAD_RETRY_S
-            raise IntegrityError(
-                f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
-                f"({ref.size} bytes); object refused",
-                key=ref.key,
-            )
-        return data
-
     def _execute(self, manifest: Manifest, plan: Plan) -> UpdateInfo:
         started = time.perf_counter()
-        futures = {ref.key: self._fetch.submit(self._download, ref) for s in plan.steps for ref in s.objects}
+        futures = self._fetcher.prefetch(plan)
         t_decode = t_apply = 0.0
         previous = self._held(manifest)
         for step in plan.steps:
             blobs = [futures[ref.key].result() for ref in step.objects]
             t0 = time.perf_counter()
-            decoded = self._check_and_decode(step, blobs, previous_version=self._held(manifest))
+            decoded = self._fetcher.check_and_decode(step, blobs, previous_version=self._held(manifest))
             t1 = time.perf_counter()
             try:
                 self.applier.apply(decoded)
@@ -446,54 +354,13 @@ class Subscriber:
     def _held(self, manifest: Manifest) -> int | None:
         return self._version if manifest.run_id == self._run_id else None
 
-    def _check_and_decode(self, step: Step, blobs: list[bytes], previous_version: int | None) -> dict[str, Decoded]:
-        headers = [read_header(b) for b in blobs]
-        for ref, header in zip(step.objects, headers):
-            try:
-                self.applier.validate(header)
-                if header.version != step.version or header.kind != step.kind:
-                    raise VersionError(
-                        f"{ref.key} holds {header.kind} v{header.version}, manifest says {step.kind} v{step.version}",
-                        key=ref.key,
-                    )
-                if step.kind == "delta" and header.base_version != previous_version:
-                    raise VersionError(
-                        f"{ref.key} applies to v{header.base_version}, replica holds v{previous_version}",
-                        key=ref.key,
-                    )
-            except DeltaSyncError:
-                self._refuse(step, ref)
-                raise
-        if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
-            self._refuse(step, *step.objects)
-            raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
-        parts = []
-        for ref, blob, header in zip(step.objects, blobs, headers):
-            try:
-                parts.append(decode(blob, base=self.applier.lookup, header=header))
-            except DeltaSyncError:
-                self._refuse(step, ref)
-                raise
-        try:
-            # One file per tensor, or a trainer's shards: each element carried at most once,
-            # and an anchor carries all of them.
-            return combine(parts, whole=step.kind == "anchor")
-        except DeltaSyncError:
-            self._refuse(step, *step.objects)
-            raise
-
-    def _refuse(self, step: Step, *refs: ObjectRef) -> None:
-        """Never use these objects again as ``step`` lists them: their content failed validation."""
-        for ref in refs:
-            self._bad[(ref, step.version, step.kind)] = math.inf
-
     def _set_version(self, run_id: str | None, version: int | None) -> None:
         with self._changed:
             self._run_id, self._version = run_id, version
             self._changed.notify_all()
 
     def _write_ack(self, info: UpdateInfo) -> None:
-        body = {
+        write_ack(self.store, self.replica_id, {
             "replica": self.replica_id,
             "version": info.version,
             "run_id": self._run_id,
@@ -502,11 +369,7 @@ class Subscriber:
             "bytes": info.bytes,
             "apply_ms": 1e3 * info.t_apply,
             "rejected": dict(self.stats.rejected),
-        }
-        try:
-            self.store.put(f"acks/{self.replica_id}.json", json.dumps(body).encode())
-        except DeltaSyncError as exc:  # acks are advisory; never fail an update for them
-            logger.warning("could not write ack: %s", exc)
+        })
 
 
 def _check_options(
@@ -540,23 +403,3 @@ def _check_options(
         raise ConfigError(
             "pass start_version (a non-negative version) and run_id together, or neither", argument="start_version"
         )
-
-
-# An object as one manifest lists it: its ref, version and kind (``None, None``: any listing).
-_Claim = tuple[ObjectRef, int | None, str | None]
-
-
-def _safe_id(raw: str) -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", raw).strip(".-") or "replica"
-    return cleaned[:100]
-
-
-def read_acks(store: Store) -> list[dict[str, Any]]:
-    """Every replica's latest ack (unreadable acks are skipped)."""
-    acks = []
-    for info in store.list("acks/"):
-        try:
-            acks.append(json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES)))
-        except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
-            continue
-    return acks

@@ -23,8 +23,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from deltasync._demo_board import _human  # noqa: E402
 from deltasync.codec import codec_names  # noqa: E402
+from deltasync.demo.board import human_bytes  # noqa: E402
 from deltasync.errors import DeltaSyncError  # noqa: E402
 
 if __package__:  # imported as spaces_demo.app
@@ -99,7 +99,7 @@ def _settings(layers: Any, lr: Any, anchor_every: Any, codec: str, steps: Any, b
 def _table(view: View) -> pd.DataFrame:
     rows = []
     for r in view.rows:
-        codec = _human(r.info.bytes) + (f" (+ anchor {_human(r.anchor_bytes)})" if r.anchor_bytes else "")
+        codec = human_bytes(r.info.bytes) + (f" (+ anchor {human_bytes(r.anchor_bytes)})" if r.anchor_bytes else "")
         rows.append(
             [
                 r.info.version,
@@ -109,8 +109,8 @@ def _table(view: View) -> pd.DataFrame:
                 f"{r.info.nnz:,}",
                 f"{100 * r.info.sparsity:.2f}" if r.info.kind == "delta" else "-",
                 codec,
-                _human(r.raw_bytes),
-                _human(r.info.dense_bytes),
+                human_bytes(r.raw_bytes),
+                human_bytes(r.info.dense_bytes),
                 f"{r.info.dense_bytes / r.info.bytes:.0f}x" if r.info.bytes else "-",
                 "-" if r.apply_s is None else f"{1e3 * r.apply_s:.0f}",
                 "-" if r.lag_s is None else f"{r.lag_s:.2f}",
@@ -141,7 +141,7 @@ def _plots(view: View) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _panels(view: View) -> tuple[str, str, str, str]:
     status = view.status if view.error is None else f"{view.status}: {view.error}"
-    dense = _human(view.rows[0].info.dense_bytes) if view.rows else "-"
+    dense = human_bytes(view.rows[0].info.dense_bytes) if view.rows else "-"
     trainer = (
         f"**Trainer**: v{view.latest if view.latest is not None else '-'} committed · "
         f"{(view.params or 0) / 1e6:.1f} M parameters (dense bf16 {dense}) · "

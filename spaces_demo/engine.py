@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from deltasync import Publisher, Subscriber, TorchModuleApplier
-from deltasync._demo_board import RAW_BYTES_PER_CHANGE
 from deltasync.codec import DEFAULT_CODEC, codec_names
 from deltasync.demo import DEFAULT_LR, MAX_POLL_S, POLL_S, CommitHasher, quiet_transformers
+from deltasync.demo.board import RAW_BYTES_PER_CHANGE
 from deltasync.format import Header
 from deltasync.models import CHAT_PAIRS
 from deltasync.publisher import PublishInfo

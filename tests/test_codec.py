@@ -220,7 +220,7 @@ class TestContainer:
     def test_serialize_matches_safetensors(self) -> None:
         import safetensors.torch
 
-        from deltasync.format import _serialize
+        from deltasync.format import serialize as _serialize
 
         tensors = {
             "b::val": torch.arange(5, dtype=torch.int16).view(torch.bfloat16),
@@ -242,7 +242,7 @@ class TestContainer:
     def test_serialize_defers_other_dtypes_to_safetensors(self) -> None:
         import safetensors.torch
 
-        from deltasync.format import _serialize
+        from deltasync.format import serialize as _serialize
 
         tensors = {"w::c": torch.zeros(3, dtype=torch.complex64), "w::i": torch.arange(3, dtype=torch.int32)}
         assert _serialize(tensors, {"a": "b"}) == safetensors.torch.save(tensors, metadata={"a": "b"})

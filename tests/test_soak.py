@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync._workload import make_weights, train_step
 from deltasync.appliers import TorchModuleApplier
+from deltasync.demo.workload import make_weights, train_step
 from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys
 from deltasync.publisher import Publisher, PublishInfo
 from deltasync.stores import open_store

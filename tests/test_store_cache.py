@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from deltasync.appliers import TorchModuleApplier
+from deltasync.cache import CachedStore
 from deltasync.errors import IntegrityError
 from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef
 from deltasync.publisher import Publisher
 from deltasync.stores import Store, open_store
-from deltasync.stores.cache import CachedStore
 from deltasync.stores.wrap import DelegatingStore
 from deltasync.subscriber import Subscriber
 

@@ -26,10 +26,10 @@ from unittest import mock
 
 import pytest
 
+from deltasync.cache import CachedStore
 from deltasync.errors import IntegrityError, ObjectNotFound, StoreError
 from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef
 from deltasync.stores import LocalStore, open_store
-from deltasync.stores.cache import CachedStore
 
 from .conftest import make_store
 

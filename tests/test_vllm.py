@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm)"),
 ]
 
-from deltasync.appliers._vllm_wire import pack  # noqa: E402
+from deltasync.appliers.wire import pack  # noqa: E402
 from deltasync.errors import FingerprintMismatch, IntegrityError  # noqa: E402
 from deltasync.format import Header  # noqa: E402
 from deltasync.publisher import Publisher  # noqa: E402

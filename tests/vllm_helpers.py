@@ -170,7 +170,7 @@ def save_checkpoint(weights: dict[str, torch.Tensor], source_dir: Path, target: 
 
 def assert_engine_exact(follower: Any, weights: dict[str, torch.Tensor]) -> None:
     """Every rank's elements of every checkpoint tensor equal ``weights`` bit for bit, and every element is held."""
-    from deltasync.appliers._vllm_wire import unpack
+    from deltasync.appliers.wire import unpack
 
     for name, expected in weights.items():
         want = expected.reshape(-1).view(torch.int16).numpy()
@@ -214,7 +214,7 @@ class BenchExtension:
             load_checkpoint_weight_patches,
         )
 
-        from deltasync.appliers._vllm_wire import unpack
+        from deltasync.appliers.wire import unpack
 
         index = self._deltasync_index  # type: ignore[attr-defined]
         patches = [

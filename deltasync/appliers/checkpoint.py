@@ -29,21 +29,18 @@ Limitations:
   buffers. A checkpoint written by ``deltasync watch`` always qualifies.
 - Readers see elements change in place while a version is applied; load the
   files while ``deltasync.json`` says ``clean`` (or copy them first).
+
+This module holds the applier and :func:`initialise_checkpoint`; the files,
+their index, memory maps and lock are :mod:`.checkpoint_files`, and the state
+file is :mod:`.checkpoint_state` (their public names are importable from here too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import mmap
 import os
 import shutil
 import struct
-import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -51,17 +48,22 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
-from ..errors import (
-    ConflictError,
-    DeltaFormatError,
-    FingerprintMismatch,
-    TensorMismatch,
-    VersionError,
-)
-from ..format import MAX_HEADER_BYTES, Header, raw_header, read_header
+from ..errors import DeltaFormatError, FingerprintMismatch, VersionError
+from ..format import MAX_HEADER_BYTES, Header, read_header
 from ..manifest import MANIFEST_KEY, Manifest
-from ..tensors import DTYPE_BY_NAME, TensorSpec, dtype_name, fingerprint
-from .base import check_header
+from ..tensors import TensorSpec, fingerprint
+from .apply import check_header
+from .checkpoint_files import (
+    INDEX_FILE,
+    LOCK_FILE,
+    SINGLE_FILE,
+    MappedCheckpoint,
+    checkpoint_files,
+    has_checkpoint,
+    lock_directory,
+    write_empty_checkpoint,
+)
+from .checkpoint_state import STATE_FILE, STATE_FORMAT, CheckpointState, read_state, write_state
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -75,58 +77,13 @@ __all__ = [
     "initialise_checkpoint",
     "anchor_layout",
     "write_empty_checkpoint",
+    # Names that were defined here before the files and the state file got their own modules.
+    "STATE_FORMAT",
+    "LOCK_FILE",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "read_state",
 ]
-
-STATE_FILE = "deltasync.json"
-LOCK_FILE = ".deltasync-lock"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-STATE_FORMAT = "deltasync-checkpoint"
-_BITS = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointState:
-    """What ``deltasync.json`` says the files hold."""
-
-    run_id: str | None
-    """Run the version belongs to; ``None`` when not known (the next follower starts from an anchor)."""
-    version: int | None
-    """Version the files hold; ``None`` before the first complete version."""
-    clean: bool = True
-    """False while a version is being written: the files may mix two versions."""
-
-    @property
-    def resumable(self) -> bool:
-        """Whether a follower can continue from here with deltas."""
-        return self.clean and self.run_id is not None and self.version is not None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "run_id": self.run_id,
-            "version": self.version,
-            "clean": self.clean,
-            "updated": time.time(),
-        }
-
-    @classmethod
-    def from_json(cls, raw: Any) -> CheckpointState | None:
-        """Parse a state file; anything unexpected yields ``None`` (resume from an anchor)."""
-        if not isinstance(raw, dict) or raw.get("format") != STATE_FORMAT:
-            return None
-        run_id, version, clean = raw.get("run_id"), raw.get("version"), raw.get("clean")
-        if run_id is not None and not isinstance(run_id, str):
-            return None
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-            return None
-        return cls(run_id, version, clean is True)
-
-
-def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
-    """Whether ``directory`` holds a safetensors checkpoint (an index or ``*.safetensors`` files)."""
-    path = Path(directory)
-    return path.is_dir() and ((path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
 
 
 class CheckpointDirApplier:
@@ -155,36 +112,17 @@ class CheckpointDirApplier:
 
     def __init__(self, directory: str | os.PathLike[str], *, dtype: torch.dtype | None = torch.bfloat16) -> None:
         self.directory = Path(directory)
-        files = _checkpoint_files(self.directory)
-        self._lock: IO[bytes] | None = _lock_directory(self.directory)
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._views: dict[str, np.ndarray] = {}
-        self._where: dict[str, tuple[Path, int]] = {}  # name -> (file, offset of its first element)
-        specs: dict[str, TensorSpec] = {}
+        files = checkpoint_files(self.directory)
+        self._lock: IO[bytes] | None = lock_directory(self.directory)
         try:
-            for path in files:
-                self._map_file(path, dtype, specs)
-            _check_index(self.directory, specs)
+            self._files = MappedCheckpoint(self.directory, files, dtype)
         except BaseException:
-            self.close()
+            self._unlock()
             raise
-        self.specs = specs
-        self.fingerprint = fingerprint(specs.values())
+        self.specs = self._files.specs
+        self.fingerprint = fingerprint(self.specs.values())
         self.state = read_state(self.directory)
         self._pending: tuple[int, str] | None = None
-
-    def _map_file(self, path: Path, dtype: torch.dtype | None, specs: dict[str, TensorSpec]) -> None:
-        layout, data_start = _read_layout(path, dtype)
-        with open(path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), 0)  # shared and writable: element writes land in the file
-        self._maps[path] = mapped
-        buffer = np.frombuffer(mapped, dtype=np.uint8)
-        for spec, begin, end in layout:
-            if spec.name in specs:
-                raise TensorMismatch(f"tensor {spec.name!r} is stored twice in {self.directory}", name=spec.name)
-            specs[spec.name] = spec
-            self._views[spec.name] = buffer[data_start + begin : data_start + end].view(_BITS[_itemsize(spec)])
-            self._where[spec.name] = (path, data_start + begin)
 
     # ------------------------------------------------------------------ applier protocol
 
@@ -200,7 +138,7 @@ class CheckpointDirApplier:
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current bit patterns at ``indices`` of tensor ``name`` (a copy; reads the files)."""
-        return np.asarray(self._views[name][indices])
+        return np.asarray(self._files.views[name][indices])
 
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write validated patches into the files, flush them, then record the version.
@@ -221,26 +159,15 @@ class CheckpointDirApplier:
         run_id = self.state.run_id if kind == "delta" and self.state is not None else None
         self._write_state(CheckpointState(run_id, version, clean=False))
         for name, patch in decoded.items():
-            view = self._views[name]
+            view = self._files.views[name]
             if patch.indices is None:
                 view[:] = patch.values
             else:
                 view[patch.indices] = patch.values
         for name, patch in decoded.items():
-            self._flush(name, patch)
+            self._files.flush(name, patch.indices, patch.values)
         self._write_state(CheckpointState(run_id, version, clean=True))
         self._pending = None
-
-    def _flush(self, name: str, patch: Decoded) -> None:
-        """``msync`` the pages between the first and the last element written, not the whole file."""
-        if patch.values.size == 0:
-            return
-        path, offset = self._where[name]
-        itemsize = patch.values.itemsize
-        first, last = (0, patch.values.size - 1) if patch.indices is None else (patch.indices[0], patch.indices[-1])
-        start = offset + int(first) * itemsize
-        aligned = start - start % mmap.PAGESIZE
-        self._maps[path].flush(aligned, offset + (int(last) + 1) * itemsize - aligned)
 
     # ------------------------------------------------------------------ state
 
@@ -278,174 +205,17 @@ class CheckpointDirApplier:
 
     def close(self) -> None:
         """Flush and unmap the files, and let another process write the directory."""
-        self._views.clear()
-        for mapped in self._maps.values():
-            mapped.flush()
-            with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped when it goes
-                mapped.close()
-        self._maps.clear()
+        self._files.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
         if self._lock is not None:
             self._lock.close()  # closing the descriptor releases the flock
             self._lock = None
 
     def _write_state(self, state: CheckpointState) -> None:
-        _write_atomic(self.directory / STATE_FILE, json.dumps(state.to_json(), indent=1).encode())
+        write_state(self.directory, state)
         self.state = state
-
-
-def _itemsize(spec: TensorSpec) -> int:
-    return spec.torch_dtype.itemsize
-
-
-def _lock_directory(directory: Path) -> IO[bytes]:
-    """An exclusive ``flock`` on ``directory/.deltasync-lock``: one writer per checkpoint.
-
-    Raises:
-        `ConflictError`: another process (or applier) is writing the directory.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = open(directory / LOCK_FILE, "a+b")  # noqa: SIM115 - held until close()
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise ConflictError(f"another process is writing {directory}; stop it first", key=str(directory)) from None
-    return lock
-
-
-def read_state(directory: str | os.PathLike[str]) -> CheckpointState | None:
-    """The state recorded in ``directory/deltasync.json``, or ``None`` if absent or unreadable."""
-    try:
-        return CheckpointState.from_json(json.loads((Path(directory) / STATE_FILE).read_bytes()))
-    except (OSError, ValueError):
-        return None
-
-
-def _checkpoint_files(directory: Path) -> list[Path]:
-    """The shards named by the index, else every ``*.safetensors`` file."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        weight_map = _load_index(index)
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors checkpoint in {directory}")
-    return files
-
-
-def _load_index(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_bytes())["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DeltaFormatError(f"{index}: not a safetensors index ({exc!r})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise DeltaFormatError(f"{index}: 'weight_map' must map tensor names to file names")
-    for name in weight_map.values():
-        if Path(name).name != name or name in (".", "..") or not name.endswith(".safetensors"):
-            raise DeltaFormatError(f"{index}: shard {name!r} must be a .safetensors file in the same directory")
-    return weight_map
-
-
-def _check_index(directory: Path, specs: Mapping[str, TensorSpec]) -> None:
-    index = directory / INDEX_FILE
-    if not index.is_file():
-        return
-    differ = sorted(set(_load_index(index)) ^ set(specs))
-    if differ:
-        missing = differ[:5]
-        raise DeltaFormatError(f"{index} and its shards disagree on the tensors (e.g. {missing})")
-
-
-def _read_layout(path: Path, dtype: torch.dtype | None) -> tuple[list[tuple[TensorSpec, int, int]], int]:
-    """Each tensor's spec and byte range in the data section, and where that section starts."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-        try:
-            header = raw_header(prefix + f.read(min(length, MAX_HEADER_BYTES + 1, max(0, size - 8))))
-        except DeltaFormatError as exc:
-            raise DeltaFormatError(f"{path}: {exc}") from None
-    data_start, data_size = 8 + length, size - 8 - length
-    layout = [_parse_tensor(path, n, e, dtype, data_size) for n, e in header.items() if n != "__metadata__"]
-    ranges = sorted((begin, end) for _, begin, end in layout if end > begin)
-    if any(later[0] < earlier[1] for earlier, later in zip(ranges, ranges[1:])):
-        raise DeltaFormatError(f"{path}: tensors overlap in the data section; refusing to patch it in place")
-    return layout, data_start
-
-
-def _parse_tensor(
-    path: Path, name: str, entry: Any, dtype: torch.dtype | None, data_size: int
-) -> tuple[TensorSpec, int, int]:
-    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
-        raise DeltaFormatError(f"{path}: malformed entry for {name!r}")
-    found = entry["dtype"]
-    wanted = dtype_name(dtype) if dtype is not None else found
-    if found != wanted or found not in DTYPE_BY_NAME:
-        raise TensorMismatch(
-            f"{path.name}: tensor {name!r} is {found}; this checkpoint is patched in place in the published "
-            f"dtype ({wanted if dtype is not None else sorted(DTYPE_BY_NAME)}): convert the checkpoint, "
-            "or start from an empty directory",
-            name=name,
-        )
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    try:
-        spec = TensorSpec(name, tuple(shape), found)  # type: ignore[arg-type]
-        begin, end = (int(o) for o in offsets)  # type: ignore[union-attr]
-    except (TypeError, ValueError) as exc:
-        raise DeltaFormatError(f"{path}: malformed entry for {name!r}: {exc}") from None
-    if not 0 <= begin <= end <= data_size or end - begin != spec.numel * _itemsize(spec):
-        raise DeltaFormatError(f"{path}: byte range {[begin, end]} of {name!r} does not fit its shape or the file")
-    return spec, begin, end
-
-
-def write_empty_checkpoint(path: str | os.PathLike[str], specs: Iterable[TensorSpec]) -> None:
-    """Write a safetensors file holding ``specs`` with every element zero.
-
-    The data section is allocated (``posix_fallocate``) but not written, so this
-    costs O(header) I/O on most filesystems, and a full disk fails here with
-    ``OSError`` rather than as ``SIGBUS`` on a later write through a memory map.
-    Wider dtypes come first, keeping every tensor aligned to its element size.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in sorted(specs, key=lambda s: (-_itemsize(s), s.name)):
-        nbytes = spec.numel * _itemsize(spec)
-        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    target = Path(path)
-    tmp = target.with_name(f".tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + offset)
-            if offset and hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(f.fileno(), 0, 8 + len(raw) + offset)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def initialise_checkpoint(
@@ -475,7 +245,7 @@ def initialise_checkpoint(
     from ..stores import open_store
 
     target = Path(directory)
-    with _lock_directory(target):
+    with lock_directory(target):
         if has_checkpoint(target):
             raise FileExistsError(f"{target} already holds a checkpoint; follow it instead of initialising it")
         with open_store(store) as opened:

@@ -20,7 +20,7 @@ from ..codec import Decoded
 from ..errors import ConfigError
 from ..format import Header
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors
-from .base import check_header
+from .apply import check_header
 
 __all__ = ["TorchModuleApplier"]
 

@@ -1,4 +1,4 @@
-"""The node-side half of vLLM sync: an applier the :class:`~deltasync.Subscriber` drives.
+"""Transport, node side: the vLLM follower loop, an applier the :class:`~deltasync.Subscriber` drives.
 
 :class:`VLLMFollower` lives next to the engine: in the process that owns an
 ``LLM``, or beside a ``vllm serve`` server started with the worker extension
@@ -31,29 +31,33 @@ In process, ``collective_rpc`` already runs between engine steps; call
 is not thread-safe), e.g. between ``generate`` calls of an RL loop.
 
 Versions: after each apply the engine's weight-version label is set to
-``str(version)`` (vLLM reports, per finished request, which output tokens each
-label produced: ``CompletionOutput.weight_versions``); ranks answer
-``deltasync_version``; and :attr:`VLLMFollower.history` records ``(version,
-wall time applied)`` so a request's start/end time maps to versions
-(:meth:`VLLMFollower.version_at`).
+:func:`version_label` (``"7@3f1d2c4b5a6e"``: version @ run id prefix; vLLM
+reports, per finished request, which output tokens each label produced:
+``CompletionOutput.weight_versions``); ranks answer ``deltasync_version``; and
+:attr:`VLLMFollower.history` records ``(version, wall time applied)`` so a
+request's start/end time maps to versions (:meth:`VLLMFollower.version_at`).
 
 Command line (a server replica)::
 
     python -m deltasync.appliers.vllm_follower --store s3://bucket/run1 \\
         --server http://127.0.0.1:8000 --model /models/policy
+
+How the engine is reached is :mod:`.vllm_rpc`; what travels is :mod:`.wire`;
+the early look at downloaded deltas is :mod:`.vllm_prefetch`; the check that
+every checkpoint element maps to some rank is :func:`.mapping.uncovered_elements`.
+
+Limitations:
+
+- One engine per follower; every rank must answer each call (``collective_rpc``).
+- The in-process ``LLM`` is not driven from a background thread (see above).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import logging
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -62,24 +66,33 @@ import numpy as np
 import safetensors
 import torch
 
-from ..codec import Decoded, get_codec
-from ..codec.compact import CompactCodec, decode_indices
+from ..codec import Decoded
 from ..errors import ConfigError, DeltaSyncError, TensorMismatch
-from ..format import Header, read_header
+from ..format import Header
 from ..stores import Store, open_store
-from ..stores.wrap import DelegatingStore
 from ..tensors import TensorSpec, dtype_name, fingerprint
-from ._vllm_wire import pack, specs_to_json, unpack
-from .base import check_header
+from .apply import check_header
+from .mapping import uncovered_elements
+from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
+from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine
+from .wire import pack, specs_to_json, unpack
 
-__all__ = ["VLLMFollower", "EXTENSION", "checkpoint_specs", "main"]
+__all__ = [
+    "VLLMFollower",
+    "EXTENSION",
+    "checkpoint_specs",
+    "version_label",
+    "parse_version_label",
+    "main",
+    # Constants that lived here before the engine calls and the delta tap moved out; still importable.
+    "HTTP_TIMEOUT_S",
+    "TAP_KEEP",
+]
 
 logger = logging.getLogger("deltasync.vllm")
 
 EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
 RPC_BATCH_BYTES = 64 << 20  # split anchors into RPCs of about this size (JSON bodies over HTTP stay sane)
-HTTP_TIMEOUT_S = 600.0
-TAP_KEEP = 8  # downloaded deltas kept for index prefetch until their version is decoded
 RUN_LABEL_CHARS = 12  # run id characters in the version label: enough to tell runs apart, short in logs
 
 Mode = Literal["inflight", "pause"]
@@ -123,76 +136,6 @@ def parse_version_label(label: Any, run_id: str | None) -> int | None:
         return int(number)
     except ValueError:
         return None  # "default": nothing applied yet
-
-
-# ---------------------------------------------------------------------- transports
-
-
-class _InProcess:
-    """An ``LLM`` in this process."""
-
-    text = False
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def rpc(self, method: str, *args: Any) -> list[Any]:
-        return list(self.llm.collective_rpc(method, args=args))
-
-    def pause(self, mode: str) -> None:  # collective_rpc already runs between engine steps
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def label(self, version: str) -> None:
-        self.llm.llm_engine.set_weight_version(version)
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-
-class _Server:
-    """A ``vllm serve`` server in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
-
-    text = True
-
-    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
-        self.url, self.timeout = url.rstrip("/"), timeout
-
-    def _post(self, path: str, body: Any = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else b""
-        request = urllib.request.Request(
-            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:2000]
-            raise DeltaSyncError(f"{self.url}{path} answered {exc.code}: {detail}", url=self.url) from None
-        except urllib.error.URLError as exc:
-            raise DeltaSyncError(
-                f"cannot reach {self.url}{path} ({exc.reason}); is the server up with VLLM_SERVER_DEV_MODE=1?",
-                url=self.url,
-            ) from None
-        return json.loads(raw) if raw else None
-
-    def rpc(self, method: str, *args: Any) -> list[Any]:
-        answer = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
-        return list(answer["results"])
-
-    def pause(self, mode: str) -> None:
-        self._post(f"/pause?mode={mode}")
-
-    def resume(self) -> None:
-        self._post("/resume")
-
-    def label(self, version: str) -> None:
-        self._post("/update_weight_version", {"new_version": version})
-
-    def reset_prefix_cache(self) -> None:
-        self._post("/reset_prefix_cache")
 
 
 # ---------------------------------------------------------------------- the applier
@@ -240,7 +183,7 @@ class VLLMFollower:
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
         if pause_mode not in ("wait", "abort"):
             raise ConfigError(f"pause_mode must be 'wait' or 'abort', not {pause_mode!r}", argument="pause_mode")
-        self._engine = _Server(engine) if isinstance(engine, str) else _InProcess(engine)
+        self._engine = ServerEngine(engine) if isinstance(engine, str) else InProcessEngine(engine)
         self.mode, self.pause_mode = mode, pause_mode
         self.specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
         self.fingerprint = fingerprint(self.specs.values())
@@ -254,8 +197,7 @@ class VLLMFollower:
         # (several when a sharded trainer wrote it in slices).
         self._bases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefetched = False
-        self._tapped: OrderedDict[str, bytes] = OrderedDict()
-        self._tap_lock = threading.Lock()
+        self._tapped = TapBuffer()
         self.ranks = self._init_workers()
 
     # ------------------------------------------------------------------ setup
@@ -266,18 +208,7 @@ class VLLMFollower:
 
     def _init_workers(self) -> list[dict[str, Any]]:
         answers = self._rpc("deltasync_init", specs_to_json(self.specs.values()))
-        missing = []
-        for name, spec in self.specs.items():
-            covered = np.zeros(spec.shape or (1,), dtype=bool)
-            tables = 0
-            for answer in answers:
-                for kind, *rest in answer["owned"].get(name, []):
-                    if kind == "box":
-                        covered[tuple(slice(lo, hi) for lo, hi in zip(*rest))] = True
-                    else:
-                        tables += int(rest[0])
-            if int(covered.sum()) + tables < spec.numel:
-                missing.append(f"{name} ({spec.numel - int(covered.sum()) - tables} elements)")
+        missing = uncovered_elements(self.specs, [answer["owned"] for answer in answers])
         if missing:
             raise TensorMismatch(
                 f"no rank of the engine holds these checkpoint elements, so deltas to them could not be "
@@ -324,7 +255,7 @@ class VLLMFollower:
         batches = list(self._batches(decoded))
         paused = False
         try:
-            if self.mode == "pause" or isinstance(self._engine, _Server):
+            if self.mode == "pause" or isinstance(self._engine, ServerEngine):
                 self._engine.pause(self.pause_mode if self.mode == "pause" else "keep")
                 paused = True
             for i, batch in enumerate(batches):
@@ -369,61 +300,21 @@ class VLLMFollower:
 
     def tap(self, store: Store) -> Store:
         """Wrap ``store`` so the deltas a subscriber downloads are seen here (for batched lookups)."""
-        return _TapStore(store, self._remember)
-
-    def _remember(self, key: str, data: bytes) -> None:
-        with self._tap_lock:
-            self._tapped[key] = data
-            while len(self._tapped) > TAP_KEEP:
-                self._tapped.popitem(last=False)
+        return TapStore(store, self._tapped.remember)
 
     # ------------------------------------------------------------------ internals
 
     def _prefetch(self) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
         """Decode this step's changed indices from the tapped bytes; fetch every base in one call."""
-        pieces: dict[str, list[np.ndarray]] = {}
-        for header in self._step:
-            blob = self._find_blob(header)
-            if blob is None:
-                continue
-            entries: dict[str, Any] | None = None
-            for name, entry in header.tensors.items():
-                if not isinstance(get_codec(entry.codec), CompactCodec) or not get_codec(entry.codec).needs_base:
-                    continue
-                if entries is None:
-                    entries = _load_entries(blob) or {}
-                part = entries.get(f"{name}::idx")
-                if part is None:
-                    continue
-                try:
-                    local = decode_indices(part, entry.params, entry.local_spec, entry.nnz)
-                except DeltaSyncError:
-                    continue  # the real decode reports it
-                if local.size:  # flat in the full tensor, as the decoder will ask for them
-                    pieces.setdefault(name, []).append(local + entry.offset)
+        pieces = changed_indices(self._step, self._tapped)
         if not pieces:
             return {}
-        for found in pieces.values():
-            found.sort(key=lambda idx: int(idx[0]))  # shards hold disjoint rows: ascending when joined
         bases = self._lookup_many({name: np.concatenate(found) for name, found in pieces.items()})
         out = {}
         for name, found in pieces.items():
             for idx, bits in zip(found, np.split(bases[name], np.cumsum([i.size for i in found[:-1]]))):
                 out[(name, int(idx[0]))] = (idx, bits)
         return out
-
-    def _find_blob(self, header: Header) -> bytes | None:
-        with self._tap_lock:
-            items = list(self._tapped.items())
-        for key, blob in items:
-            try:
-                if read_header(blob) == header:
-                    with self._tap_lock:
-                        self._tapped.pop(key, None)
-                    return blob
-            except DeltaSyncError:
-                continue
-        return None
 
     def _lookup_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         payload = pack({n: {"idx": np.asarray(i, dtype=np.int64)} for n, i in wanted.items()}, text=self._engine.text)
@@ -478,30 +369,6 @@ class VLLMFollower:
 _SUBSCRIBER_ARGS = {
     "replica_id", "ack", "poll_interval", "max_poll_interval", "fetch_workers", "on_update", "start_version", "run_id",
 }
-
-
-def _load_entries(blob: bytes) -> dict[str, np.ndarray] | None:
-    """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it)."""
-    try:
-        import safetensors.torch
-
-        return {k: v.numpy() for k, v in safetensors.torch.load(blob).items() if v.dtype == torch.uint8}
-    except Exception:
-        return None
-
-
-class _TapStore(DelegatingStore):
-    """Delegates to ``inner``; hands every downloaded delta to ``seen`` (read only)."""
-
-    def __init__(self, inner: Store, seen: Any) -> None:
-        super().__init__(inner)
-        self._seen = seen
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        data = self.inner.get(key, max_bytes=max_bytes)
-        if not key.endswith(".json"):
-            self._seen(key, data)
-        return data
 
 
 # ---------------------------------------------------------------------- command line

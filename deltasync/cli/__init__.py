@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from ..errors import DeltaSyncError
 from . import gc, inspect, status, watch
-from ._common import safe_url
+from .common import safe_url
 from .inspect import describe
 from .status import collect_status
 

@@ -14,20 +14,21 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..commit import ORPHAN_GRACE_S, find_orphans, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
-from ..manifest import (
-    MANIFEST_KEY,
-    RETIRE_GRACE_S,
-    Manifest,
-    deletable,
-    referenced_keys,
-    replace_manifest,
-)
+from ..keys import ACKS, MANIFEST_KEY
+from ..manifest import RETIRE_GRACE_S, Manifest
 from ..subscriber import ACK_TTL_S
-from ._common import _duration, _load_manifest, _open, _size, safe_url
+from .common import (
+    format_duration as _duration,
+    format_size as _size,
+    load_manifest as _load_manifest,
+    open_existing as _open,
+    safe_url,
+)
 
 if TYPE_CHECKING:
-    from ..stores import ObjectInfo, Store
+    from ..stores import Store
 
 
 def _gc_retired(
@@ -38,13 +39,15 @@ def _gc_retired(
     Returns:
         `(removed, note)`: ``(key, size)`` of what was (or would be) deleted, and why nothing was, if so.
     """
-    due, remaining = deletable(manifest, now=now, grace=grace)
+    plan = plan_retired_cleanup(
+        manifest, now=now, grace=grace, compare_and_swap=store.conditional_writes and etag is not None
+    )
+    due = plan.due
     if not due:
         return [], None
-    if not store.conditional_writes or etag is None:
+    if plan.blocked == "no-cas":
         return [], f"{len(due)} retired objects are due, but this store has no compare-and-swap: left to the publisher"
-    if manifest.lease_until > now:
-        # Our write would change the etag under the live writer, whose next commit would then fail.
+    if plan.blocked == "lease":
         return [], (
             f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
             f"{_duration(manifest.lease_until - now)} and deletes them itself: manifest left alone"
@@ -53,7 +56,7 @@ def _gc_retired(
     if dry_run:
         return removed, None
     try:
-        store.put(MANIFEST_KEY, replace_manifest(remaining, updated=now).to_bytes(), if_match=etag)
+        store.put(MANIFEST_KEY, plan.manifest.to_bytes(), if_match=etag)
     except PreconditionFailed:
         return [], "the manifest changed while gc ran (a publisher is active): retired objects left alone; run gc again"
     for key, _ in removed:
@@ -72,20 +75,11 @@ def _gc_orphans(
     store: Store, manifest: Manifest, *, now: float, grace: float, dry_run: bool
 ) -> list[tuple[str, int | None]]:
     """Objects under ``deltas/`` and ``anchors/`` that no manifest names, older than ``grace``."""
-    from ..publisher import sweep_orphans
-
-    # The same rule as sweep_orphans, read first: it reports keys only, and --dry-run deletes nothing.
-    referenced = referenced_keys(manifest)
-    candidates: dict[str, ObjectInfo] = {
-        info.key: info
-        for prefix in ("deltas/", "anchors/")
-        for info in store.list(prefix)
-        if info.key not in referenced and (info.modified is None or now - info.modified >= grace)
-    }
-    if dry_run:
-        return [(key, info.size) for key, info in candidates.items()]
-    removed = sweep_orphans(store, manifest, now=now, grace=grace)
-    return [(key, candidates[key].size if key in candidates else None) for key in removed]
+    orphans = find_orphans(store, manifest, now=now, grace=grace)
+    if not dry_run:
+        for info in orphans:
+            store.delete(info.key)
+    return [(info.key, info.size) for info in orphans]
 
 
 def _gc_acks(store: Store, manifest: Manifest, *, now: float, ttl: float, dry_run: bool) -> list[tuple[str, int | None]]:
@@ -93,7 +87,7 @@ def _gc_acks(store: Store, manifest: Manifest, *, now: float, ttl: float, dry_ru
     import json
 
     stale = []
-    for info in store.list("acks/"):
+    for info in store.list(ACKS):
         try:
             ack = json.loads(store.get(info.key))
             written = float(ack.get("time", 0.0))
@@ -126,20 +120,17 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Delete (or with ``--dry-run`` list) what is due, and report what was freed."""
-    from ..publisher import ORPHAN_GRACE_S
-
     with _open(args.url) as store:
         manifest, etag = _load_manifest(store)
         now = time.time()
         retire_grace = RETIRE_GRACE_S if args.grace is None else args.grace
-        orphan_grace = ORPHAN_GRACE_S if args.grace is None else args.grace
+        asked = ORPHAN_GRACE_S if args.grace is None else args.grace
+        orphans_grace = orphan_grace(manifest, asked, now=now)
         notes = []
-        if manifest.lease_until > now and orphan_grace < ORPHAN_GRACE_S:
-            # A live writer's uploads are unnamed until its manifest write: they look like orphans.
+        if orphans_grace > asked:  # a live writer's uploads are unnamed until its manifest write
             notes.append(f"a writer's lease is live: orphans younger than {ORPHAN_GRACE_S:.0f} s are kept")
-            orphan_grace = ORPHAN_GRACE_S
         retired, note = _gc_retired(store, manifest, etag, now=now, grace=retire_grace, dry_run=args.dry_run)
-        orphans = _gc_orphans(store, manifest, now=now, grace=orphan_grace, dry_run=args.dry_run)
+        orphans = _gc_orphans(store, manifest, now=now, grace=orphans_grace, dry_run=args.dry_run)
         acks = _gc_acks(store, manifest, now=now, ttl=args.ack_ttl, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"gc {safe_url(store.url)}{' (dry run)' if args.dry_run else ''}")

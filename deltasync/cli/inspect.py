@@ -7,12 +7,11 @@ is read through the S3 backend). ``--json`` prints :func:`describe`'s dictionary
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from ..format import Header, raw_header, read_header
+from .common import Column, print_json, print_table
 
 __all__ = ["describe"]
 
@@ -83,16 +82,23 @@ def _print_inspect(info: dict[str, Any], limit: int) -> None:
     rows = sorted(info["tensors"], key=lambda t: -t["bytes"])[:limit]
     if not rows:
         return
-    width = max(len(t["name"]) for t in rows)
-    print(f"\n{'tensor':<{width}}  {'codec':<11} {'dtype':<5} {'shape':<14} {'changed':>10} {'density':>9} {'bytes':>11}")
-    for t in rows:
-        shape = "x".join(map(str, t["shape"])) or "scalar"
-        print(
-            f"{t['name']:<{width}}  {t['codec']:<11} {t['dtype']:<5} {shape:<14} "
-            f"{t['nnz']:>10,} {100 * t['density']:>8.3f}% {t['bytes']:>11,}"
-        )
+    columns = (
+        Column("tensor", max(len(t["name"]) for t in rows), gap=2),
+        Column("codec", 11),
+        Column("dtype", 5),
+        Column("shape", 14),
+        Column("changed", 10, ">"),
+        Column("density", 9, ">"),
+        Column("bytes", 11, ">"),
+    )
+    print_table(columns, (_tensor_cells(t) for t in rows))
     if len(info["tensors"]) > limit:
         print(f"... {len(info['tensors']) - limit} more (use --tensors N)")
+
+
+def _tensor_cells(t: dict[str, Any]) -> tuple[object, ...]:
+    shape = "x".join(map(str, t["shape"])) or "scalar"
+    return (t["name"], t["codec"], t["dtype"], shape, f"{t['nnz']:,}", f"{100 * t['density']:.3f}%", f"{t['bytes']:,}")
 
 
 def add_parser(sub: Any) -> None:
@@ -109,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     data = _read(args.file)
     info = describe(read_header(data), data)
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
-        print()
+        print_json(info)
     else:
         _print_inspect(info, args.tensors)
     return 0

@@ -8,14 +8,21 @@ are written by replicas, so every field of one is checked and store text is made
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..manifest import Manifest, VersionEntry, summarize
-from ._common import _duration, _load_manifest, _open, _size, safe_url
+from .common import (
+    Column,
+    format_duration,
+    format_size,
+    load_manifest,
+    open_existing,
+    print_json,
+    print_table,
+    safe_url,
+)
 
 __all__ = ["collect_status"]
 
@@ -91,7 +98,10 @@ def _replica_row(ack: Any, manifest: Manifest, now: float) -> dict[str, Any] | N
 
 def _print_status(info: dict[str, Any], now: float) -> None:
     lease = info["lease_until"] - now
-    lease_text = f"lease live, {_duration(lease)} left" if lease > 0 else f"lease expired {_duration(-lease)} ago"
+    if lease > 0:
+        lease_text = f"lease live, {format_duration(lease)} left"
+    else:
+        lease_text = f"lease expired {format_duration(-lease)} ago"
     print(f"store      {info['store']}")
     print(f"run        {info['run_id']}")
     print(f"model      {info['fingerprint']} ({info['numel']:,} elements)")
@@ -100,45 +110,72 @@ def _print_status(info: dict[str, Any], now: float) -> None:
     if latest is None:
         print("latest     none published yet")
     else:
-        print(f"latest     v{latest['version']} (step {latest['step']}), published {_duration(latest['age_s'])} ago")
-    anchors = ", ".join(f"v{a['version']} ({_size(a['bytes'])})" for a in info["anchors"]) or "none"
+        age = format_duration(latest["age_s"])
+        print(f"latest     v{latest['version']} (step {latest['step']}), published {age} ago")
+    anchors = ", ".join(f"v{a['version']} ({format_size(a['bytes'])})" for a in info["anchors"]) or "none"
     print(f"anchors    {anchors}")
     print(
-        f"stored     {info['versions_listed']} versions: deltas {_size(info['delta_bytes'])}, anchors "
-        f"{_size(info['anchor_bytes'])}, total {_size(info['total_bytes'])}; "
+        f"stored     {info['versions_listed']} versions: deltas {format_size(info['delta_bytes'])}, anchors "
+        f"{format_size(info['anchor_bytes'])}, total {format_size(info['total_bytes'])}; "
         f"{info['retired_pending']} retired objects pending deletion"
     )
     _print_versions(info["versions"])
     _print_replicas(info["replicas"])
 
 
+_VERSION_COLUMNS = (
+    Column("version", 8, ">"),
+    Column("step", 8, ">", gap=2),
+    Column("kind", 12),
+    Column("changed", 12, ">"),
+    Column("sparsity", 10, ">"),
+    Column("bytes", 11, ">", gap=2),
+    Column("published"),
+)
+
+
 def _print_versions(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    print(f"\n{'version':>8} {'step':>8}  {'kind':<12} {'changed':>12} {'sparsity':>10} {'bytes':>11}  published")
-    for r in rows:
-        sparsity = f"{100 * r['sparsity']:.3f}%" if r["sparsity"] is not None else "-"
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
-        step = "-" if r["step"] is None else r["step"]
-        print(
-            f"{r['version']:>8} {step:>8}  {'+'.join(r['kinds']):<12} {r['nnz']:>12,} {sparsity:>10} "
-            f"{_size(r['bytes']):>11}  {stamp} ({_duration(r['age_s'])} ago)"
-        )
+    if rows:
+        print_table(_VERSION_COLUMNS, (_version_cells(r) for r in rows))
+
+
+def _version_cells(r: dict[str, Any]) -> tuple[object, ...]:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
+    return (
+        r["version"],
+        "-" if r["step"] is None else r["step"],
+        "+".join(r["kinds"]),
+        f"{r['nnz']:,}",
+        f"{100 * r['sparsity']:.3f}%" if r["sparsity"] is not None else "-",
+        format_size(r["bytes"]),
+        f"{stamp} ({format_duration(r['age_s'])} ago)",
+    )
 
 
 def _print_replicas(rows: list[dict[str, Any]]) -> None:
     if not rows:
         print("\nreplicas   none have acknowledged a version (acks/ is empty)")
         return
-    width = max(7, *(len(r["replica"]) for r in rows))
-    print(f"\n{'replica':<{width}} {'version':>8} {'lag':>9} {'acked':>13} {'apply ms':>9}  rejected")
-    for r in rows:
-        version = "-" if r["version"] is None else r["version"]
-        lag = "other run" if not r["same_run"] else "-" if r["lag_versions"] is None else r["lag_versions"]
-        apply_ms = "-" if r["apply_ms"] is None else f"{r['apply_ms']:.1f}"
-        rejected = ", ".join(f"{k} {n}" for k, n in sorted(r["rejected"].items())) or "-"
-        acked = f"{_duration(r['ack_age_s'])} ago" if r["ack_age_s"] is not None else "?"
-        print(f"{r['replica']:<{width}} {version:>8} {lag:>9} {acked:>13} {apply_ms:>9}  {rejected}")
+    columns = (
+        Column("replica", max(7, *(len(r["replica"]) for r in rows))),
+        Column("version", 8, ">"),
+        Column("lag", 9, ">"),
+        Column("acked", 13, ">"),
+        Column("apply ms", 9, ">", gap=2),
+        Column("rejected"),
+    )
+    print_table(columns, (_replica_cells(r) for r in rows))
+
+
+def _replica_cells(r: dict[str, Any]) -> tuple[object, ...]:
+    return (
+        r["replica"],
+        "-" if r["version"] is None else r["version"],
+        "other run" if not r["same_run"] else "-" if r["lag_versions"] is None else r["lag_versions"],
+        f"{format_duration(r['ack_age_s'])} ago" if r["ack_age_s"] is not None else "?",
+        "-" if r["apply_ms"] is None else f"{r['apply_ms']:.1f}",
+        ", ".join(f"{k} {n}" for k, n in sorted(r["rejected"].items())) or "-",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -154,14 +191,13 @@ def run(args: argparse.Namespace) -> int:
     """Print a run prefix's status (tables, or JSON with ``--json``)."""
     from ..subscriber import read_acks
 
-    with _open(args.url) as store:
-        manifest, _ = _load_manifest(store)
+    with open_existing(args.url) as store:
+        manifest, _ = load_manifest(store)
         acks = read_acks(store)
     now = time.time()
     info = collect_status(store.url, manifest, acks, now=now, limit=args.versions)
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
-        print()
+        print_json(info)
     else:
         _print_status(info, now)
     return 0

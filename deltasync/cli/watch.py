@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ObjectNotFound, VersionError
-from ._common import _load_manifest, _open, safe_url
+from .common import load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:
     from ..subscriber import Subscriber, UpdateInfo
@@ -143,8 +143,8 @@ def _follow(sub: Subscriber, stop: threading.Event) -> None:
 
 def _anchor_published(url: str) -> bool:
     try:
-        with _open(url) as store:
-            manifest, _ = _load_manifest(store)
+        with open_existing(url) as store:
+            manifest, _ = load_manifest(store)
     except ObjectNotFound:
         return False
     return bool(manifest.anchors())

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 
-from .base import BaseLookup, Codec, Decoded, Encoded
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts
 
-__all__ = ["Codec", "Encoded", "Decoded", "BaseLookup", "register_codec", "get_codec", "codec_names"]
+__all__ = [
+    "Codec", "Encoded", "Decoded", "BaseLookup", "Parts", "Params", "register_codec", "get_codec", "codec_names",
+]
 
 DEFAULT_CODEC = "compact"
 

@@ -22,12 +22,18 @@ import torch
 
 from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, bits_dtype
 
-__all__ = ["Codec", "Encoded", "Decoded", "BaseLookup", "check_part", "check_indices"]
+__all__ = [
+    "Codec", "Encoded", "Decoded", "BaseLookup", "Parts", "Params", "check_part", "check_indices", "value_bits",
+]
 
 BaseLookup = Callable[[str, np.ndarray], np.ndarray]
 """``(tensor name, sorted flat indices) -> current bit patterns there`` on the receiver."""
+Parts = Mapping[str, torch.Tensor]
+"""One tensor's arrays in a file, by part name (the entries ``"{tensor}::{part}"``)."""
+Params = Mapping[str, Any]
+"""One tensor's codec parameters, from the file's metadata (JSON-able scalars)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +72,16 @@ class Codec(ABC):
         """Encode ``change``; ``level`` is the compression level where one applies."""
 
     @abstractmethod
-    def decode(
-        self,
-        parts: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        spec: TensorSpec,
-        nnz: int,
-        base: BaseLookup | None,
-    ) -> Decoded:
-        """Decode and validate; raise :class:`CodecError` on anything malformed."""
+    def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
+        """Decode and validate; raise :class:`CodecError` on anything malformed.
+
+        Args:
+            parts (`Parts`): the tensor's arrays, by part name.
+            params (`Params`): the codec parameters :meth:`encode` returned.
+            spec (`TensorSpec`): the tensor's name, dtype and shape.
+            nnz (`int`): how many elements the file says changed.
+            base (`BaseLookup`, *optional*): the receiver's current values, for codecs that need them.
+        """
 
     def supports(self, change: TensorChange) -> bool:
         """Whether this codec can carry ``change`` (sparse codecs refuse dense changes)."""
@@ -82,11 +89,7 @@ class Codec(ABC):
 
 
 def check_part(
-    parts: Mapping[str, torch.Tensor],
-    key: str,
-    dtype: torch.dtype,
-    shape: tuple[int, ...] | None,
-    spec: TensorSpec,
+    parts: Parts, key: str, dtype: torch.dtype, shape: tuple[int, ...] | None, spec: TensorSpec
 ) -> torch.Tensor:
     """Fetch part ``key`` and check its dtype and (when given) shape."""
     if key not in parts:
@@ -123,3 +126,8 @@ def check_indices(indices: np.ndarray, spec: TensorSpec) -> np.ndarray:
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array (no copy)."""
     return tensor.detach().cpu().numpy()
+
+
+def value_bits(part: torch.Tensor, spec: TensorSpec) -> np.ndarray:
+    """A checked part of values in the published dtype as flat bit patterns (int16/int32; no copy)."""
+    return to_numpy(part.reshape(-1).view(bits_dtype(spec.torch_dtype)))

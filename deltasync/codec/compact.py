@@ -19,8 +19,6 @@ themselves and needs no base.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,15 +27,7 @@ from ..diff import TensorChange
 from ..errors import CodecError, IntegrityError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import (
-    BaseLookup,
-    Codec,
-    Decoded,
-    Encoded,
-    check_indices,
-    check_part,
-    to_numpy,
-)
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_indices, check_part, to_numpy
 
 _WIDTHS = (1, 2, 4)
 _UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
@@ -110,7 +100,7 @@ def encode_indices(indices: np.ndarray, level: int) -> tuple[np.ndarray, dict[st
     return compress(payload, level), {"iw": width, "big": n_big}
 
 
-def decode_indices(blob: np.ndarray, params: Mapping[str, Any], spec: TensorSpec, nnz: int) -> np.ndarray:
+def decode_indices(blob: np.ndarray, params: Params, spec: TensorSpec, nnz: int) -> np.ndarray:
     """Inverse of :func:`encode_indices`, validating every step."""
     width, n_big = params.get("iw"), params.get("big")
     if width not in _WIDTHS or not isinstance(n_big, int) or not 0 <= n_big <= nnz:
@@ -178,14 +168,7 @@ class CompactCodec(Codec):
             params=params,
         )
 
-    def decode(
-        self,
-        parts: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        spec: TensorSpec,
-        nnz: int,
-        base: BaseLookup | None,
-    ) -> Decoded:
+    def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
         idx_blob = to_numpy(check_part(parts, "idx", torch.uint8, None, spec))
         val_blob = to_numpy(check_part(parts, "val", torch.uint8, None, spec))
         indices = decode_indices(idx_blob, params, spec, nnz)
@@ -221,7 +204,7 @@ class CompactCodec(Codec):
         ordered[_exponent_order(current)] = words
         return (current.view(unsigned) + _unzigzag(ordered).view(unsigned)).view(signed)
 
-    def _check_digest(self, values: np.ndarray, params: Mapping[str, Any], spec: TensorSpec) -> None:
+    def _check_digest(self, values: np.ndarray, params: Params, spec: TensorSpec) -> None:
         if values_digest(values) != params.get("sum"):
             raise IntegrityError(
                 f"{spec.name}: decoded values do not match the publisher's: this receiver's "

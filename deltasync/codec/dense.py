@@ -8,14 +8,9 @@ would cost more than sending the tensor (see ``DENSE_FRACTION`` in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-
 from ..diff import TensorChange
-from ..tensors import TensorSpec, bits_dtype
-from .base import BaseLookup, Codec, Decoded, Encoded, check_part, to_numpy
+from ..tensors import TensorSpec
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, value_bits
 
 
 class DenseCodec(Codec):
@@ -31,14 +26,6 @@ class DenseCodec(Codec):
             raise ValueError("the dense codec carries changes captured whole (dense=True)")
         return Encoded(parts={"val": change.values.view(change.spec.torch_dtype).view(change.spec.shape)})
 
-    def decode(
-        self,
-        parts: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        spec: TensorSpec,
-        nnz: int,
-        base: BaseLookup | None,
-    ) -> Decoded:
+    def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
         val = check_part(parts, "val", spec.torch_dtype, spec.shape, spec)
-        values = to_numpy(val.reshape(-1).view(bits_dtype(spec.torch_dtype)))
-        return Decoded(None, values)
+        return Decoded(None, value_bits(val, spec))

@@ -9,24 +9,13 @@ Tensors of 2**31 elements or more need another codec.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 import torch
 
 from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec, bits_dtype
-from .base import (
-    BaseLookup,
-    Codec,
-    Decoded,
-    Encoded,
-    check_indices,
-    check_part,
-    to_numpy,
-)
+from ..tensors import TensorSpec
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_indices, check_part, to_numpy, value_bits
 
 _I32_LIMIT = 2**31
 
@@ -48,18 +37,11 @@ class RawCodec(Codec):
             }
         )
 
-    def decode(
-        self,
-        parts: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        spec: TensorSpec,
-        nnz: int,
-        base: BaseLookup | None,
-    ) -> Decoded:
+    def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
         idx = check_part(parts, "idx", torch.int32, (nnz,), spec)
         val = check_part(parts, "val", spec.torch_dtype, (nnz,), spec)
         if spec.numel >= _I32_LIMIT:
             raise CodecError(f"{spec.name}: too large for the raw codec", name=spec.name)
         indices = check_indices(to_numpy(idx), spec)
-        values = to_numpy(val.view(bits_dtype(spec.torch_dtype)))
+        values = value_bits(val, spec)
         return Decoded(indices, np.ascontiguousarray(values))

@@ -60,6 +60,7 @@ Distributed training:
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -485,10 +486,13 @@ def _full_weights(model: Any) -> Any:
     return FullyShardedDataParallel.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=offload)
 
 
-def __getattr__(name: str) -> Any:
-    # The GRPO integration touches TRL internals; it lives (version-pinned) in its own module.
-    if name == "DeltaSyncGRPOTrainer":
-        from ._trl_patch import DeltaSyncGRPOTrainer
+# The GRPO integration touches TRL internals; it lives (version-pinned) in its own module, which
+# builds on this one. It is named by a "module:attribute" string and imported when first asked for.
+_LAZY = {"DeltaSyncGRPOTrainer": "deltasync.integrations._trl_patch:DeltaSyncGRPOTrainer"}
 
-        return DeltaSyncGRPOTrainer
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attribute = _LAZY[name].split(":")
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(name)

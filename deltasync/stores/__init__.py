@@ -18,7 +18,9 @@ is a path.
 
 Any of them can be read through a cache shared by the processes of a node:
 ``open_store(url, cache_dir="/dev/shm/deltasync")`` wraps the store in
-``deltasync.stores.cache.CachedStore`` (see there; ``cache_max_bytes`` sets its cap).
+``deltasync.cache.CachedStore`` (see there; ``cache_max_bytes`` sets its cap). The cache reads
+manifests, a layer above the stores, so it is named here by a ``"module:Class"`` string
+(:data:`CACHE_TARGET`) and imported on first use.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _BACKENDS: dict[str, str] = {
     "hf": "deltasync.stores.hf:HFBucketStore",
 }
 
+CACHE_TARGET = "deltasync.cache:CachedStore"
+"""The store class ``open_store(..., cache_dir=...)`` wraps a store in (``"module:Class"``)."""
+
 # RFC 3986 scheme syntax: a letter, then letters, digits, "+", "-" or ".", then ":".
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -64,8 +69,8 @@ def open_store(url: str | os.PathLike[str] | Store, **options: Any) -> Store:
         url (`str`, `os.PathLike` or `Store`): a path, ``file:///abs/path`` (also ``file:rel/path``),
             ``memory://name``, ``s3://bucket/prefix`` or ``hf://buckets/namespace/name/prefix``.
         cache_dir (`str`, *optional*): read the manifest's objects through a cache in this directory,
-            shared by the processes that name it (:class:`~deltasync.stores.cache.CachedStore`).
-        cache_max_bytes (`int`, *optional*): the cache's size cap.
+            shared by the processes that name it (:class:`~deltasync.cache.CachedStore`).
+        cache_max_bytes (`int`, *optional*): the cache's size cap (the cache's own default when unset).
         **options: backend options (credentials, endpoint, ...), see each backend.
 
     Raises:
@@ -77,19 +82,24 @@ def open_store(url: str | os.PathLike[str] | Store, **options: Any) -> Store:
     if cache_max_bytes is not None and cache_dir is None:
         raise ConfigError("cache_max_bytes needs cache_dir (the directory to cache in)", argument="cache_max_bytes")
     if cache_dir is not None:
-        from .cache import DEFAULT_MAX_BYTES, CachedStore
-
+        cached: Any = _load(CACHE_TARGET)
         inner = open_store(url, **options)
-        if isinstance(inner, CachedStore):
+        if isinstance(inner, cached):
             return inner
-        return CachedStore(inner, cache_dir, max_bytes=cache_max_bytes or DEFAULT_MAX_BYTES)
+        cap = {"max_bytes": cache_max_bytes} if cache_max_bytes else {}  # unset (or 0): the cache's default
+        return cached(inner, cache_dir, **cap)  # type: ignore[no-any-return]
     if isinstance(url, Store):
         return url
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
-    module, cls = _BACKENDS[_scheme(url)].split(":")
-    backend: Any = getattr(importlib.import_module(module), cls)
+    backend: Any = _load(_BACKENDS[_scheme(url)])
     return backend.from_url(url, **options)  # type: ignore[no-any-return]
+
+
+def _load(target: str) -> type:
+    """The class a ``"module:Class"`` string names, importing its module on first use."""
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
 def _scheme(url: object) -> str:

@@ -1,7 +1,7 @@
-"""The change feed of an HF bucket: a follower thread behind :meth:`HFBucketStore.change_feed`.
+"""The change feed of an HF bucket: a follower thread behind ``HFBucketStore.change_feed``.
 
 ``GET /api/buckets/{id}/events`` is a server-sent event stream, resumable by cursor. One
-:class:`_BucketFeed` per follower reads it in a daemon thread over its own HTTP/1.1 stream and wakes
+:class:`BucketFeed` per follower reads it in a daemon thread over its own HTTP/1.1 stream and wakes
 :meth:`~deltasync.stores.base.ChangeFeed.wait` callers when a key under the store's prefix changes;
 a reset, a lost stream or too many tracked keys count as a change of every key. It reconnects by
 itself (capped exponential backoff while the Hub fails) and gives up, leaving the store to be
@@ -9,8 +9,10 @@ polled, when the Hub does not serve the feed for this bucket and token. Closing 
 socket down so the thread ends at once.
 
 Limitations: events are parsed with huggingface_hub's private ``_bucket_live_follow`` module, the
-one private API this store uses, isolated in :func:`_live_follow_reader` (``None`` when it is
-missing or changed: callers then poll). Closing by socket shutdown assumes HTTP/1.1 (huggingface_hub's
+one private API this store uses, isolated in :func:`live_follow_reader` (``None`` when it is
+missing or changed: callers then poll). The feed knows nothing of the store class: the store hands
+it the events URL, the key root, a header factory and a scrubber (see :class:`BucketFeed`), so this
+module sits below ``hf.py``. Closing by socket shutdown assumes HTTP/1.1 (huggingface_hub's
 default client); with HTTP/2 it would end the shared connection.
 """
 
@@ -23,13 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import require
 from .base import ChangeFeed, check_key
 
-if TYPE_CHECKING:
-    from .hf import HFBucketStore
+__all__ = ["BucketFeed", "FeedEvent", "live_follow_reader"]
 
 # The store's logger: feed messages read as the store's, as they did before the feed had its own module.
 logger = logging.getLogger("deltasync.stores.hf")
@@ -48,7 +49,7 @@ _FEED_UNAVAILABLE = (401, 403, 404, 501)  # not served here, or not for this tok
 
 
 @dataclass(frozen=True, slots=True)
-class _FeedEvent:
+class FeedEvent:
     """One event of a bucket's change feed, reduced to what the store needs."""
 
     kind: str
@@ -59,7 +60,7 @@ class _FeedEvent:
     """Bucket paths a ``changes`` event touched."""
 
 
-def _live_follow_reader() -> Callable[[Any], Iterator[_FeedEvent]] | None:
+def live_follow_reader() -> Callable[[Any], Iterator[FeedEvent]] | None:
     """A reader of a feed response's events built on huggingface_hub's own parser, or ``None``.
 
     The one use of a private huggingface_hub module in this store: ``_bucket_live_follow`` (since
@@ -78,13 +79,13 @@ def _live_follow_reader() -> Callable[[Any], Iterator[_FeedEvent]] | None:
     except (ImportError, AttributeError):
         return None
 
-    def read(response: Any) -> Iterator[_FeedEvent]:
+    def read(response: Any) -> Iterator[FeedEvent]:
         for sse in event_source(response, max_event_size=None):  # one batch may touch many files
             event = parse(sse.event, sse.data)
             kind = kinds.get(type(event))
             if kind is not None:
                 paths = tuple(change.path for change in getattr(event, "changes", ()))
-                yield _FeedEvent(kind, getattr(event, "cursor", None), paths)
+                yield FeedEvent(kind, getattr(event, "cursor", None), paths)
 
     return read
 
@@ -98,18 +99,38 @@ class _FeedError(Exception):
         self.final = status in _FEED_UNAVAILABLE or status is None
 
 
-class _BucketFeed(ChangeFeed):
+class BucketFeed(ChangeFeed):
     """Follows one bucket's change feed in a daemon thread, for the keys under one store prefix.
 
     Every relevant event bumps a generation counter; ``wait(key)`` returns ``True`` once the
     generation of ``key``'s latest change (or of the latest reset, lost stream or overflow, which
     count as a change of every key) passes the one its previous call saw.
+
+    Args:
+        read (`Callable`): turns an events response into :class:`FeedEvent` objects
+            (:func:`live_follow_reader`).
+        events_url (`str`): ``{endpoint}/api/buckets/{bucket_id}/events``.
+        bucket_id (`str`): ``"namespace/name"``, for the thread's name and log lines.
+        root (`str`): the bucket path of the store's keys (its prefix and ``/``; ``""`` for the bucket root).
+        store_url (`str`): the store's URL, for log lines.
+        headers (`Callable[[], dict[str, str]]`): the request headers, authorization included.
+        scrub (`Callable[[str], str]`): removes the token from text bound for a log line.
     """
 
-    def __init__(self, store: HFBucketStore, read: Callable[[Any], Iterator[_FeedEvent]]) -> None:
-        self._store, self._read = store, read
-        self._url = f"{store.endpoint}/api/buckets/{store.bucket_id}/events"
-        self._root = f"{store.prefix}/" if store.prefix else ""
+    def __init__(
+        self,
+        read: Callable[[Any], Iterator[FeedEvent]],
+        *,
+        events_url: str,
+        bucket_id: str,
+        root: str,
+        store_url: str,
+        headers: Callable[[], dict[str, str]],
+        scrub: Callable[[str], str],
+    ) -> None:
+        self._read, self._url, self._root = read, events_url, root
+        self._bucket_id, self._store_url = bucket_id, store_url
+        self._headers, self._scrub_text = headers, scrub
         self._cond = threading.Condition()
         self._gen = 0
         self._changed: dict[str, int] = {}  # key -> generation of its latest change
@@ -121,7 +142,7 @@ class _BucketFeed(ChangeFeed):
         self._available = True
         self._settled = threading.Event()  # the first stream is live, failed, or start() stopped waiting
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"deltasync-hf-feed-{store.bucket_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"deltasync-hf-feed-{bucket_id}", daemon=True)
 
     @property
     def closed(self) -> bool:
@@ -173,12 +194,12 @@ class _BucketFeed(ChangeFeed):
                     failures += 1
                     delay = exc.retry_after or FEED_RETRY_BASE_S * 2 ** (failures - 1)
                 outcome, live = "failed", False
-                logger.debug("change feed of %s: %s; retrying in %.1f s", self._store.url, exc, delay)
+                logger.debug("change feed of %s: %s; retrying in %.1f s", self._store_url, exc, delay)
             except Exception as exc:  # cannot connect, or the connection broke before any answer
                 failures += 1
                 delay = FEED_RETRY_BASE_S * 2 ** (failures - 1)
                 outcome, live = "failed", False
-                logger.debug("change feed of %s: %s; retrying in %.1f s", self._store.url, self._scrub(exc), delay)
+                logger.debug("change feed of %s: %s; retrying in %.1f s", self._store_url, self._scrub(exc), delay)
             if live or outcome in ("reset", "reconnect"):
                 failures = unready = 0
             elif outcome == "lost":
@@ -194,7 +215,7 @@ class _BucketFeed(ChangeFeed):
     def _session(self) -> tuple[str, bool]:
         """Follow one stream to its end: how it ended, and whether it went live."""
         session = require("huggingface_hub.utils", "hf").get_session()  # honours set_client_factory
-        headers = {**self._store._headers(auth=True), "Accept": "text/event-stream", "Cache-Control": "no-store"}
+        headers = {**self._headers(), "Accept": "text/event-stream", "Cache-Control": "no-store"}
         params = {"cursor": self._cursor} if self._cursor is not None else {}
         timeout = (FEED_CONNECT_TIMEOUT_S, FEED_READ_TIMEOUT_S, FEED_CONNECT_TIMEOUT_S, FEED_CONNECT_TIMEOUT_S)
         with session.stream("GET", self._url, params=params, headers=headers, timeout=timeout) as response:
@@ -209,7 +230,7 @@ class _BucketFeed(ChangeFeed):
             except Exception as exc:  # read timeout, dropped connection, or close() shutting the socket
                 if self._stop.is_set():
                     return "stopped", self._live
-                logger.debug("change feed of %s lost: %s", self._store.url, self._scrub(exc))
+                logger.debug("change feed of %s lost: %s", self._store_url, self._scrub(exc))
                 return "lost", self._live
             finally:
                 with self._cond:
@@ -255,13 +276,13 @@ class _BucketFeed(ChangeFeed):
 
     def _give_up(self, why: str) -> None:
         level = logging.WARNING if self._settled.is_set() else logging.INFO  # a feed in use stops
-        logger.log(level, "cannot follow changes of bucket %s (%s): %s is polled", self._store.bucket_id, why, self._store.url)
+        logger.log(level, "cannot follow changes of bucket %s (%s): %s is polled", self._bucket_id, why, self._store_url)
         self._available = False
         self._signal(everything=True)
         self._settled.set()
 
     def _scrub(self, exc: BaseException) -> str:
-        return self._store._scrub(f"{type(exc).__name__}: {exc}")
+        return self._scrub_text(f"{type(exc).__name__}: {exc}")
 
 
 def _check_events_response(response: Any) -> None:

@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal, TypeVar
 
-from ..errors import IntegrityError, ManifestError, StoreError
+from ..errors import DeltaSyncError, IntegrityError, StoreError
+from ..keys import check_key
 
-__all__ = ["ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "check_limit", "check_size", "retry"]
+__all__ = [
+    "ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "check_limit", "check_prefix", "check_size", "retry",
+]
 
 logger = logging.getLogger("deltasync.stores")
 
 PutMode = Literal["overwrite", "create"]
 T = TypeVar("T")
-
-_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
 
 URL_FORMS = (
     "a path, 'file:///abs/path', 'memory://name', 's3://bucket/prefix' or 'hf://buckets/namespace/name/prefix'"
@@ -51,23 +51,6 @@ class ObjectInfo:
     """Opaque version tag for conditional reads and writes (``None`` where unsupported)."""
     modified: float | None = None
     """Last modification, seconds since the epoch, where the backend reports it."""
-
-
-def check_key(key: str) -> str:
-    """Validate a key: relative, ``/``-separated, no ``..``, ``.`` or empty segments.
-
-    Raises:
-        `ManifestError`: the key is unsafe (path traversal, absolute, URL, odd characters).
-    """
-    if not isinstance(key, str) or not key or len(key) > 1024:
-        raise ManifestError(f"invalid object key {key!r}", key=key)
-    for segment in key.split("/"):
-        if segment in ("", ".", "..") or not _SEGMENT.match(segment):
-            raise ManifestError(
-                f"unsafe object key {key!r}: keys are relative paths of [A-Za-z0-9._=+@,-] segments",
-                key=key,
-            )
-    return key
 
 
 def check_limit(max_bytes: int | None) -> int | None:
@@ -107,6 +90,29 @@ def check_size(
             size=size,
             backend=backend,
         )
+
+
+def check_prefix(prefix: str, *, invalid: Callable[[str], Exception]) -> str:
+    """Validate the folder a URL roots a store in: a key, or ``""`` for the bucket's root.
+
+    Args:
+        prefix (`str`): the prefix as the URL spells it; trailing ``/`` are dropped.
+        invalid (`Callable[[str], Exception]`): builds the error for an unsafe prefix (each backend
+            words it for its own URLs).
+
+    Returns:
+        `str`: the prefix without trailing ``/``.
+
+    Raises:
+        What ``invalid`` returns: the prefix is not a valid key (see :func:`check_key`).
+    """
+    prefix = prefix.rstrip("/")
+    if prefix:
+        try:
+            check_key(prefix)
+        except DeltaSyncError:
+            raise invalid(prefix) from None
+    return prefix
 
 
 class Store(ABC):

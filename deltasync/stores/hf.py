@@ -22,7 +22,7 @@ Limitations:
 - **Change feed: HTTP/1.1 streams, one per follower.** :meth:`HFBucketStore.change_feed` follows
   ``GET /api/buckets/{id}/events`` (server-sent, resumable by cursor), so subscribers wake on a
   change instead of at their next poll. It reads events with huggingface_hub's own parser, a
-  private module (see :func:`_live_follow_reader`); without it, or where the Hub does not serve the
+  private module (see :func:`~deltasync.stores._hf_feed.live_follow_reader`); without it, or where the Hub does not serve the
   feed for this bucket and token, the store returns no feed and subscribers poll. Closing a feed
   shuts its stream's socket down so the thread ends at once (with an HTTP/2 client this would end
   the shared connection; huggingface_hub's default client speaks HTTP/1.1).
@@ -63,22 +63,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import (
-    ConfigError,
-    DeltaSyncError,
-    ObjectNotFound,
-    PreconditionFailed,
-    StoreError,
-    require,
-)
-from ._hf_feed import _BucketFeed, _live_follow_reader
-from .base import ChangeFeed, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
+from ..errors import ConfigError, DeltaSyncError, ObjectNotFound, PreconditionFailed, StoreError, require
+from ._hf_feed import BucketFeed, live_follow_reader
+from .base import ChangeFeed, ObjectInfo, PutMode, Store, check_key, check_limit, check_prefix, check_size
 
 __all__ = ["HFBucketStore", "parse_bucket_url"]
 
 logger = logging.getLogger("deltasync.stores.hf")
 
 T = TypeVar("T")
+
+# A module global looked up at each change_feed() call, so a test can take huggingface_hub's parser away.
+_live_follow_reader = live_follow_reader
 
 _SCHEME = "hf://buckets/"
 # Hub names: letters, digits, "-", "_", "." (not first or last), at most 96 characters.
@@ -124,15 +120,13 @@ def parse_bucket_url(url: str) -> tuple[str, str]:
     for what, value in (("namespace", namespace), ("bucket name", name)):
         if not _NAME.match(value):
             raise ConfigError(f"invalid {what} {value!r} in {url!r}; {_URL_HELP}", argument="url")
-    prefix = prefix.rstrip("/")
-    if prefix:
-        try:
-            check_key(prefix)
-        except DeltaSyncError:
-            raise ConfigError(
-                f"invalid prefix {prefix!r} in {url!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-]; {_URL_HELP}",
-                argument="url",
-            ) from None
+    prefix = check_prefix(
+        prefix,
+        invalid=lambda bad: ConfigError(
+            f"invalid prefix {bad!r} in {url!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-]; {_URL_HELP}",
+            argument="url",
+        ),
+    )
     return f"{namespace}/{name}", prefix
 
 
@@ -188,7 +182,7 @@ class HFBucketStore(Store):
         self._session: Callable[[], Any] = utils.get_session
         self._xet: Any = None
         self._xet_pid = -1
-        self._feeds: list[_BucketFeed] = []
+        self._feeds: list[BucketFeed] = []
         if create:
             self._call(lambda: self._api.create_bucket(self.bucket_id, private=True, exist_ok=True), "creating bucket")
 
@@ -301,7 +295,7 @@ class HFBucketStore(Store):
         The Hub matches the tree prefix lexically; the store root always ends in ``/`` there, so
         a sibling prefix (``run-1`` vs ``run-10``) never leaks in.
         """
-        root = f"{self.prefix}/" if self.prefix else ""
+        root = self._root
         full = root + prefix
 
         def listing() -> list[Any]:
@@ -354,11 +348,19 @@ class HFBucketStore(Store):
             feed, or the Hub does not serve it for this bucket and token (401, 403, 404, 501, or an
             answer that is not an event stream).
         """
-        read = _live_follow_reader()  # looked up here, so a test can take huggingface_hub's parser away
+        read = _live_follow_reader()
         if read is None:
             logger.info("this huggingface_hub cannot follow bucket changes: %s is polled", self.url)
             return None
-        feed = _BucketFeed(self, read)
+        feed = BucketFeed(
+            read,
+            events_url=f"{self.endpoint}/api/buckets/{self.bucket_id}/events",
+            bucket_id=self.bucket_id,
+            root=self._root,
+            store_url=self.url,
+            headers=lambda: self._headers(auth=True),
+            scrub=self._scrub,
+        )
         if not feed.start():
             feed.close()
             return None
@@ -372,6 +374,11 @@ class HFBucketStore(Store):
         self._xet = None
 
     # -- helpers ------------------------------------------------------------------------------
+
+    @property
+    def _root(self) -> str:
+        """The bucket path the keys sit under: the prefix and ``/`` (``""`` at the bucket root)."""
+        return f"{self.prefix}/" if self.prefix else ""
 
     def _path(self, key: str) -> str:
         check_key(key)

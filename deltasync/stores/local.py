@@ -41,7 +41,7 @@ from urllib.parse import unquote
 from ..errors import ConfigError, ObjectNotFound, PreconditionFailed, StoreError
 from .base import URL_FORMS, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 
-_TMP = ".tmp-"
+TMP_PREFIX = ".tmp-"  # a file still being written: never listed, never read
 _LOCK = ".deltasync-lock"
 
 # Directories on a key's path are opened without following symlinks (a symlink fails with ENOTDIR).
@@ -128,7 +128,7 @@ class LocalStore(Store):
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames.sort()
             for name in sorted(filenames):
-                if name.startswith(_TMP) or name == _LOCK:
+                if name.startswith(TMP_PREFIX) or name == _LOCK:
                     continue
                 path = os.path.join(dirpath, name)
                 key = Path(path).relative_to(self.root).as_posix()
@@ -152,7 +152,7 @@ class LocalStore(Store):
         """
         with self._errors("writing", key):
             with self._dir(key, create=True) as (dfd, name):
-                tmp = f"{_TMP}{uuid.uuid4().hex}"
+                tmp = f"{TMP_PREFIX}{uuid.uuid4().hex}"
                 _write_new(dfd, tmp, data)
                 try:
                     with self._locked(if_match is not None):

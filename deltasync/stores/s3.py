@@ -34,14 +34,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import (
-    ConfigError,
-    DeltaSyncError,
-    ObjectNotFound,
-    PreconditionFailed,
-    StoreError,
-    require,
-)
+from ..errors import ConfigError, DeltaSyncError, ObjectNotFound, PreconditionFailed, StoreError, require
 from .base import (
     RETRY_ATTEMPTS,
     RETRY_BASE_DELAY,
@@ -51,6 +44,7 @@ from .base import (
     Store,
     check_key,
     check_limit,
+    check_prefix,
     check_size,
 )
 
@@ -438,16 +432,14 @@ def _check_location(bucket: str, prefix: str) -> tuple[str, str]:
             "(AWS: 3-63 lowercase characters); expected 's3://bucket/prefix'",
             argument="bucket",
         )
-    prefix = prefix.rstrip("/")
-    if prefix:
-        try:
-            check_key(prefix)
-        except DeltaSyncError:
-            raise ConfigError(
-                f"invalid S3 prefix {prefix!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-], "
-                "no empty, '.' or '..' segments",
-                argument="prefix",
-            ) from None
+    prefix = check_prefix(
+        prefix,
+        invalid=lambda bad: ConfigError(
+            f"invalid S3 prefix {bad!r}: use '/'-separated segments of [A-Za-z0-9._=+@,-], "
+            "no empty, '.' or '..' segments",
+            argument="prefix",
+        ),
+    )
     return bucket, prefix
 
 

@@ -16,10 +16,13 @@ import statistics
 import threading
 from typing import Any
 
+__all__ = ["Board", "Commit", "Replica", "RAW_BYTES_PER_CHANGE", "human_bytes", "pump_events", "summary"]
+
 RAW_BYTES_PER_CHANGE = 6  # int32 index + bf16 value: the `raw` layout of the public TRL prototype
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """A byte count for the demo's tables, in decimal units: ``"512 B"``, ``"1.25 MB"``, ``"3.10 GB"``."""
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
@@ -98,7 +101,8 @@ class Board:
             self.next = info["version"] if self.next is None else self.next
         elif kind == "anchor":
             version, nbytes, seconds = rest
-            self.say(f"      (anchor for v{version} committed too: {_human(nbytes)}, {seconds:.2f} s, in the background)")
+            size = human_bytes(nbytes)
+            self.say(f"      (anchor for v{version} committed too: {size}, {seconds:.2f} s, in the background)")
         elif kind == "loss":
             self.losses[rest[0]] = rest[1]
         elif kind == "final":
@@ -168,7 +172,7 @@ class Board:
         i = c.info
         loss = f"{c.loss:.3f}" if c.loss is not None else "-"
         line = f"{version:>4} {i['step'] if i['step'] is not None else '-':>4} {i['kind']:<6} {loss:>6} "
-        line += f"{_count(i['nnz']):>9} {100 * (1 - i['nnz'] / i['numel']):>7.3f} % {_human(i['bytes']):>9} "
+        line += f"{_count(i['nnz']):>9} {100 * (1 - i['nnz'] / i['numel']):>7.3f} % {human_bytes(i['bytes']):>9} "
         line += f"{2 * i['numel'] / i['bytes']:>5.0f}x {1e3 * i['t_diff']:>4.0f} ms {i['t_total']:>5.2f} s"
         for r in self.replicas:
             line += f" | {self._cell(r, version, c):<21}"
@@ -206,9 +210,12 @@ def _payload_rows(deltas: list[Commit]) -> list[tuple[str, str]]:
     raw = RAW_BYTES_PER_CHANGE * nnz
     return [
         ("median sparsity", f"{100 * (1 - nnz / numel):.3f} % ({_count(int(nnz))} of {_count(numel)} elements changed)"),
-        ("median delta", _human(size)),
-        ("vs dense bf16", f"{_human(2 * numel)}: the delta is {2 * numel / size:.0f}x smaller"),
-        ("vs raw layout (int32 + bf16)", f"{_human(raw)}: the delta is {100 * size / raw:.1f} % of it ({raw / size:.1f}x smaller)"),
+        ("median delta", human_bytes(size)),
+        ("vs dense bf16", f"{human_bytes(2 * numel)}: the delta is {2 * numel / size:.0f}x smaller"),
+        (
+            "vs raw layout (int32 + bf16)",
+            f"{human_bytes(raw)}: the delta is {100 * size / raw:.1f} % of it ({raw / size:.1f}x smaller)",
+        ),
         ("median publish cost", f"{1e3 * med('t_diff'):.0f} ms diff on the training thread, {med('t_total'):.2f} s to commit"),
     ]
 

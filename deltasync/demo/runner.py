@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from ._demo_board import Board, Replica, pump_events, summary
-from .tensors import published_tensors, weights_digest
+from ..tensors import published_tensors, weights_digest
+from .board import Board, Replica, pump_events, summary
 
 __all__ = ["main", "run", "add_arguments", "weights_digest", "CommitHasher", "quiet_transformers"]
 
@@ -63,7 +63,7 @@ WAIT_S = 300.0  # how long the trainer waits for a replica before calling it los
 
 
 def quiet_transformers() -> Any:
-    from .errors import require
+    from ..errors import require
 
     transformers = require("transformers", "bench")
     transformers.logging.set_verbosity_error()  # per-tensor warnings and deprecation notes
@@ -76,8 +76,8 @@ def quiet_transformers() -> Any:
 
 def _replica_main(index: int, url: str, checkpoint: str, events: Any, stop: Any) -> None:
     """One replica: bf16 SmolLM2 following the store; reports each update's weight hash."""
-    from .appliers import TorchModuleApplier
-    from .subscriber import Subscriber, UpdateInfo
+    from ..appliers import TorchModuleApplier
+    from ..subscriber import Subscriber, UpdateInfo
 
     try:
         torch.set_num_threads(1)  # two replicas and a trainer share the cores
@@ -140,8 +140,8 @@ class CommitHasher:
 
 def _train(args: argparse.Namespace, steps: int, url: str, board: Board, events: Any) -> tuple[torch.nn.Module, int | None]:
     """Load the trainer, wait for the replicas, train and publish every step; returns (model, final version)."""
-    from .models import chat_batches, load_smollm2, train_step
-    from .publisher import Publisher
+    from ..models import chat_batches, load_smollm2, train_step
+    from ..publisher import Publisher
 
     quiet_transformers()
     started = time.perf_counter()
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Run the demo; exit code 0 when every replica ended bit-identical to the trainer."""
-    from .models import smollm2_checkpoint
+    from ..models import smollm2_checkpoint
 
     out = out or sys.stdout
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
@@ -244,9 +244,10 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
 def _check_prefix(url: str) -> None:
     """Fail before loading anything when another trainer's lease holds the prefix (the publisher would refuse it)."""
-    from .errors import ConflictError, ObjectNotFound
-    from .manifest import MANIFEST_KEY, Manifest
-    from .stores import open_store
+    from ..errors import ConflictError, ObjectNotFound
+    from ..keys import MANIFEST_KEY
+    from ..manifest import Manifest
+    from ..stores import open_store
 
     with open_store(url) as store:
         try:
@@ -271,7 +272,3 @@ def _finish(board: Board, events: Any, model: torch.nn.Module, final: int | None
     stop.set()
     board.stopped.wait(60)
     return mine == committed
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,10 @@ temporary file. Cache files are read like :class:`~deltasync.stores.local.LocalS
 reads objects: regular files only, no symlinks followed, at most the manifest's
 size (plus one byte) read.
 
+Layering: the cache reads manifests, so it sits above them; the stores package
+does not import it, and ``open_store(url, cache_dir=...)`` finds it through a
+``"module:Class"`` string.
+
 Limits: a hit hashes the file (SHA-256, about 1-2 GB/s per core) besides the
 reader's own check; range reads are served from the cache only for files this
 process already verified, otherwise from the store (they are header reads). The
@@ -58,14 +62,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..errors import ConfigError, DeltaSyncError, IntegrityError, ObjectNotFound, PreconditionFailed, StoreError
-from ..manifest import MANIFEST_KEY, Manifest, ObjectRef
-from .base import ObjectInfo, PutMode, Store, check_key, check_limit, check_size
-from .local import _TMP, LocalStore
-from .wrap import DelegatingStore
+from .errors import ConfigError, DeltaSyncError, IntegrityError, ObjectNotFound, PreconditionFailed, StoreError
+from .keys import ACKS, MANIFEST_KEY, check_key
+from .manifest import Manifest, ObjectRef
+from .stores.base import ObjectInfo, PutMode, Store, check_limit, check_size
+from .stores.local import TMP_PREFIX, LocalStore
+from .stores.wrap import DelegatingStore
 
-__all__ = ["CachedStore", "CacheStats"]
+__all__ = ["CachedStore", "CacheStats", "DEFAULT_MAX_BYTES"]
 
+# The logger keeps the name it had while the cache lived in the stores package: log filters keep working.
 logger = logging.getLogger("deltasync.stores.cache")
 
 DEFAULT_MAX_BYTES = 8 << 30  # room for a few anchors of a 1B-parameter model (2 GB each) and their deltas
@@ -74,9 +80,12 @@ FILL_WAIT_S = 10.0  # how long waiters give a filler before reading the store th
 FILL_MIN_RATE = 20e6  # ... plus the object's size at this rate (bytes/s): a slow store read is not a dead one
 POLL_FIRST_S = 0.005  # waiters look for the finished file this often at first ...
 POLL_MAX_S = 0.05  # ... backing off to this
-_MUTABLE_PREFIXES = ("acks/",)  # replicas rewrite these; never cached even if a manifest names one
+_MUTABLE_PREFIXES = (ACKS,)  # replicas rewrite these; never cached even if a manifest names one
 TMP_MAX_AGE_S = 3600.0  # temporary files of a filler that died mid-write are removed after this long
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk (or quota): serve uncached, warn once
+
+# Cache files are opened as LocalStore opens objects: never through a symlink, and a FIFO cannot block the open.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
@@ -180,8 +189,9 @@ class CachedStore(DelegatingStore):
         ref = self._refs.get(key)
         if ref is not None:
             with contextlib.suppress(OSError):  # missing or refused: read the store
-                fd, st = self._objects._open(key)
-                with os.fdopen(fd, "rb") as f:
+                # Served only from a file this process verified (same inode): no other file is trusted.
+                with open(os.open(self._path(ref.key), _READ_FLAGS), "rb") as f:
+                    st = os.fstat(f.fileno())
                     if st.st_size == ref.size and (st.st_dev, st.st_ino, st.st_size) in self._verified:
                         f.seek(start)
                         self._count("hits")
@@ -355,7 +365,7 @@ class CachedStore(DelegatingStore):
                     st = path.lstat()
                 except OSError:
                     continue
-                if name.startswith(_TMP):
+                if name.startswith(TMP_PREFIX):
                     if now - st.st_mtime > TMP_MAX_AGE_S:
                         self._discard(path)
                     continue

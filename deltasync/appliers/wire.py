@@ -1,10 +1,18 @@
-"""What the vLLM follower and the worker extension send each other (no vllm import).
+"""Transport: what the vLLM follower and the worker extension send each other (no vllm import).
 
 Every RPC argument and result is a string or a JSON-able dict, so the same
 methods answer an in-process ``LLM.collective_rpc`` and a server's dev-mode
 ``POST /collective_rpc`` (which only passes strings through). Arrays travel as
 one safetensors blob (never pickle): raw ``bytes`` in process, base64 text over
-HTTP. Entry ``"{tensor}::{part}"`` holds part ``part`` of tensor ``tensor``.
+HTTP. Entry ``"{tensor}::{part}"`` holds part ``part`` of tensor ``tensor``
+(parts: ``idx`` int64 checkpoint flat indices, ``val`` / ``bits`` bit patterns,
+``pos`` int64 positions into a request's ``idx``).
+
+Limitations:
+
+- One blob per call: a payload is held in memory whole on both sides (the
+  follower splits anchors into calls of about ``RPC_BATCH_BYTES``).
+- Tensor names must not contain ``"::"`` (:class:`~deltasync.tensors.TensorSpec` refuses them).
 """
 
 from __future__ import annotations
@@ -50,8 +58,10 @@ def unpack(blob: bytes | str) -> dict[str, dict[str, np.ndarray]]:
 
 
 def specs_to_json(specs: Iterable[TensorSpec]) -> str:
+    """Names, shapes and dtypes as compact JSON: ``[[name, shape, dtype], ...]``."""
     return json.dumps([[s.name, list(s.shape), s.dtype] for s in specs], separators=(",", ":"))
 
 
 def specs_from_json(text: str) -> list[TensorSpec]:
+    """Inverse of :func:`specs_to_json`."""
     return [TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(text)]

@@ -1,0 +1,52 @@
+"""Replica acknowledgements: ``acks/<replica>.json``, how a fleet is seen without a control plane.
+
+A replica rewrites its ack after every update (version, run, lag, bytes, apply
+time, refusals); ``deltasync status`` and the TRL callback's waits read them,
+and ``deltasync gc`` deletes acks not rewritten for :data:`ACK_TTL_S`. Acks are
+advisory: a failed write never fails an update, an unreadable ack is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from .errors import DeltaSyncError
+from .keys import ACKS, ack_key
+from .stores import Store
+
+__all__ = ["ACK_TTL_S", "MAX_ACK_BYTES", "safe_replica_id", "read_acks", "write_ack"]
+
+logger = logging.getLogger("deltasync.subscriber")
+
+# ``deltasync gc`` deletes acks not rewritten for this long (replicas that are gone); a live
+# replica rewrites its ack on every update.
+ACK_TTL_S = 7 * 86400.0
+MAX_ACK_BYTES = 64 << 10  # an ack is a few hundred bytes; anything far larger is not one
+
+
+def safe_replica_id(raw: str) -> str:
+    """``raw`` reduced to characters a store key allows (at most 100 of them)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", raw).strip(".-") or "replica"
+    return cleaned[:100]
+
+
+def write_ack(store: Store, replica_id: str, body: dict[str, Any]) -> None:
+    """Write an ack; failures are logged, never raised (acks are advisory)."""
+    try:
+        store.put(ack_key(safe_replica_id(replica_id)), json.dumps(body).encode())
+    except DeltaSyncError as exc:
+        logger.warning("could not write ack: %s", exc)
+
+
+def read_acks(store: Store) -> list[dict[str, Any]]:
+    """Every replica's latest ack (unreadable acks are skipped)."""
+    acks = []
+    for info in store.list(ACKS):
+        try:
+            acks.append(json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES)))
+        except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
+            continue
+    return acks

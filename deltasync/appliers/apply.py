@@ -1,0 +1,235 @@
+"""Apply layer: check everything, then write, so a refused delta never leaves a half-patched model.
+
+Two phases, for every applier:
+
+1. *Check* (no writes): the file fits the holder (:func:`check_header`:
+   fingerprint, names, shapes, dtypes), and, for an engine reached through an
+   :class:`~.mapping.IndexMap`, every entry of the payload (:func:`plan_patches`:
+   known name, 1-D int64 indices in range, values of the published bit width,
+   as many values as indices).
+2. *Write* (:func:`write_patches`): each checked patch goes to every target
+   that holds part of its tensor, through the target's layout; the parameters
+   touched are returned so a transport can refresh copies it keeps elsewhere
+   (re-packed CPU kernels).
+
+:func:`apply_checked` runs the phases in that order; :func:`read_bits` is the
+read side (current bit patterns, for the base values deltas decode against).
+The torch module and checkpoint directory appliers use :func:`check_header`
+and write through their own storage.
+
+Limitations:
+
+- Checks cover what a payload can get wrong; a write that fails after the
+  checks (device out of memory, a layout's own error) can leave earlier
+  entries written. The next anchor rewrites every element.
+- Version order is the caller's: :class:`~deltasync.subscriber.Subscriber`
+  plans the route, and the checkpoint applier refuses a delta onto a torn
+  directory before its first write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import TensorMismatch
+from ..format import Header, check_compatible
+from ..tensors import TensorSpec
+from .mapping import IndexMap, Target
+
+__all__ = [
+    "check_header",
+    "Patch",
+    "Applied",
+    "plan_patches",
+    "write_patches",
+    "apply_checked",
+    "read_bits",
+    "checked_indices",
+    "bits_numpy_dtype",
+]
+
+Payload = Mapping[str, Mapping[str, np.ndarray]]
+"""``{tensor: {part: array}}`` as :mod:`.wire` unpacks it (parts ``"idx"``, ``"val"``)."""
+
+
+def check_header(
+    header: Header, specs: Mapping[str, TensorSpec], fingerprint: str, *, holder: str = "receiver"
+) -> None:
+    """Refuse a file made for another model, or carrying tensors this holder lacks or lays out otherwise.
+
+    Raises:
+        `FingerprintMismatch`: made for another model.
+        `TensorMismatch`: a carried tensor is unknown here or has another shape or dtype.
+    """
+    check_compatible(header, fingerprint)
+    for name, entry in header.tensors.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise TensorMismatch(f"unknown tensor {name!r} in file; the {holder} does not hold it", name=name)
+        if spec != entry.spec:
+            raise TensorMismatch(
+                f"{name}: file has {entry.spec.dtype}{list(entry.spec.shape)}, "
+                f"{holder} has {spec.dtype}{list(spec.shape)}",
+                name=name,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """One checked entry of a payload, ready to write."""
+
+    name: str
+    """Checkpoint tensor name."""
+    spec: TensorSpec
+    """Its spec (published dtype)."""
+    indices: torch.Tensor | None
+    """Checkpoint flat indices (int64, in range); ``None``: every element in order."""
+    values: torch.Tensor
+    """Bit patterns of the published dtype (int16 / int32), one per index."""
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What :func:`apply_checked` did."""
+
+    written: int
+    """Runtime elements written (a replicated element counts once per copy)."""
+    refreshed: int
+    """What the ``refresh`` callback reported (re-packed layers), 0 without one."""
+
+
+def bits_numpy_dtype(spec: TensorSpec) -> np.dtype:
+    """The integer dtype that carries the bit patterns of ``spec``'s published dtype."""
+    return np.dtype(np.int16) if spec.torch_dtype.itemsize == 2 else np.dtype(np.int32)
+
+
+def checked_indices(raw: np.ndarray | None, spec: TensorSpec) -> torch.Tensor:
+    """``raw`` as a tensor, once it is 1-D int64 with every index in ``[0, numel)``.
+
+    Raises:
+        `TensorMismatch`: wrong dtype or rank, or an index out of range.
+    """
+    if raw is None or raw.dtype != np.int64 or raw.ndim != 1:
+        raise TensorMismatch(f"{spec.name}: indices must be 1-D int64", name=spec.name)
+    idx = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= spec.numel):
+        raise TensorMismatch(f"{spec.name}: index out of range [0, {spec.numel})", name=spec.name)
+    return idx
+
+
+def plan_patches(index: IndexMap, payload: Payload) -> list[Patch]:
+    """Phase 1: check every entry of ``payload`` (``{name: {"idx": int64, "val": bits}}``) without writing.
+
+    Raises:
+        `TensorMismatch`: an unknown name, bad indices, or values of the wrong dtype, rank or count.
+    """
+    return [_checked_patch(index, name, parts) for name, parts in payload.items()]
+
+
+def _checked_patch(index: IndexMap, name: str, parts: Mapping[str, np.ndarray]) -> Patch:
+    spec = index.specs.get(name)
+    if spec is None:
+        raise TensorMismatch(f"unknown tensor {name!r}; this engine does not hold it", name=name)
+    values = parts.get("val")
+    if values is None or values.dtype != bits_numpy_dtype(spec) or values.ndim != 1:
+        raise TensorMismatch(f"{name}: values must be 1-D {bits_numpy_dtype(spec)}", name=name)
+    if not values.flags.writeable:
+        values = values.copy()
+    if "idx" in parts:
+        idx = checked_indices(parts["idx"], spec)
+    elif values.size == spec.numel:
+        idx = None
+    else:
+        raise TensorMismatch(f"{name}: {values.size} values for {spec.numel} elements", name=name)
+    if idx is not None and idx.numel() != values.size:
+        raise TensorMismatch(f"{name}: {idx.numel()} indices but {values.size} values", name=name)
+    return Patch(name, spec, idx, torch.from_numpy(values))
+
+
+def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[torch.nn.Parameter]]:
+    """Phase 2: write checked ``patches`` wherever this rank holds them.
+
+    Returns:
+        `tuple[int, list[torch.nn.Parameter]]`: elements written, and every parameter reached.
+    """
+    written = 0
+    touched: dict[int, torch.nn.Parameter] = {}
+    for patch in patches:
+        for target in index.targets[patch.name]:
+            written += _write(target, patch.spec, patch.indices, patch.values)
+            touched[id(target.param)] = target.param
+    return written, list(touched.values())
+
+
+def apply_checked(
+    index: IndexMap, payload: Payload, *, refresh: Callable[[list[torch.nn.Parameter]], int] | None = None
+) -> Applied:
+    """Check every entry of ``payload``, then write them all, then ``refresh`` the touched parameters.
+
+    Nothing is written unless every entry passes :func:`plan_patches`.
+    """
+    patches = plan_patches(index, payload)
+    with torch.no_grad():
+        written, touched = write_patches(index, patches)
+        refreshed = refresh(touched) if refresh is not None else 0
+    return Applied(written, refreshed)
+
+
+def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: torch.Tensor) -> int:
+    data = target.param.data
+    if idx is None:
+        idx = torch.arange(spec.numel, dtype=torch.int64)
+    pos, runtime = target.translate(idx.to(data.device))
+    if pos is not None and not pos.numel():
+        return 0
+    vals = values.to(data.device)
+    if pos is not None:
+        vals = vals[pos]
+    target.layout.write(data, runtime, vals, spec.torch_dtype)
+    return int(runtime.numel())
+
+
+def read_bits(index: IndexMap, payload: Payload) -> dict[str, dict[str, np.ndarray]]:
+    """Current bits at the requested checkpoint indices this rank holds (reads only).
+
+    Args:
+        payload (`Mapping`): ``{name: {"idx": int64 checkpoint indices}}``.
+
+    Returns:
+        `dict`: ``{name: {"pos": int64 positions into idx, "bits": int16/int32}}``; an element
+        held twice on this rank is read once.
+
+    Raises:
+        `TensorMismatch`: an unknown name or bad indices.
+    """
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for name, parts in payload.items():
+        targets = index.targets.get(name)
+        if targets is None:
+            raise TensorMismatch(f"unknown tensor {name!r}", name=name)
+        spec = index.specs[name]
+        out[name] = _read(targets, spec, checked_indices(parts.get("idx"), spec))
+    return out
+
+
+def _read(targets: list[Target], spec: TensorSpec, idx: torch.Tensor) -> dict[str, np.ndarray]:
+    pos_all, bits_all = [], []
+    covered = torch.zeros(idx.numel(), dtype=torch.bool) if len(targets) > 1 else None
+    for target in targets:
+        data = target.param.data
+        pos, runtime = target.translate(idx.to(data.device))
+        pos_cpu = torch.arange(idx.numel()) if pos is None else pos.cpu()
+        if covered is not None:  # an element replicated in two places is read once
+            fresh = ~covered[pos_cpu]
+            pos_cpu, runtime = pos_cpu[fresh], runtime[fresh.to(runtime.device)]
+            covered[pos_cpu] = True
+        pos_all.append(pos_cpu)
+        bits_all.append(target.layout.read(data, runtime, spec.torch_dtype).cpu())
+    return {
+        "pos": torch.cat(pos_all).numpy() if pos_all else np.zeros(0, np.int64),
+        "bits": torch.cat(bits_all).numpy() if bits_all else np.zeros(0, bits_numpy_dtype(spec)),
+    }

@@ -1,0 +1,334 @@
+"""Mapping layer, engine-agnostic: checkpoint elements -> runtime parameter elements on this rank.
+
+An :class:`IndexMap` holds, for every checkpoint tensor, the :class:`Target` s
+where its elements live on this rank. A target covers part of one checkpoint
+tensor inside one runtime parameter, in one of three forms:
+
+- a *flat range* (a box of whole rows moved by one shift: fused stacking,
+  row and vocab shards): checkpoint flat ``[a, b)`` -> runtime flat ``+ shift``;
+- a *box*: per dimension a checkpoint range ``[lo, hi)`` and a constant offset
+  (column shards, q/k/v or gate/up stacked along a later dimension);
+- an explicit *table*: sorted checkpoint flat indices and their runtime flat
+  indices, for anything else an engine's loaders do (logged when used).
+
+:func:`fit_targets` turns observed pairs (checkpoint flat index, runtime flat
+index) into targets, checking a box exactly before it is accepted; how the
+pairs are observed is the engine's business (vLLM: :mod:`.vllm_mapping`).
+
+Parameter layouts
+-----------------
+How a runtime parameter's elements are read and written by runtime flat index
+is a :class:`Layout`, and this module's registry is the one place a layout is
+registered (:func:`register_layout`). Every target carries the layout that
+claimed its parameter when the map was built; the apply layer reads and
+writes only through it. Registered today:
+
+- ``plain`` (:data:`PLAIN`): a dense parameter whose ``.data`` holds the
+  elements in row-major order, in the published dtype (written bit for bit) or
+  a wider float (written by exact up-cast). It claims every strided tensor and
+  is asked last.
+
+Later layouts register here and are asked first, newest first: fused experts
+(one parameter stacking every expert's weights), a kernel's prepacked weights
+(patched where the kernel reads them, instead of the host copy that
+:mod:`.cpu_hooks` re-packs today), quantized block formats (values and scales
+rewritten per block).
+
+Limitations:
+
+- A layout maps elements one to one; a parameter whose elements are computed
+  from several checkpoint elements (scales, sums) needs a layout that says how
+  to rewrite them, and none is registered today.
+- Tables cost two int64 per element; boxes cost nothing per element.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import TensorMismatch
+from ..tensors import TensorSpec, bits_dtype
+
+__all__ = [
+    "Layout",
+    "PLAIN",
+    "register_layout",
+    "layout_names",
+    "layout_for",
+    "Target",
+    "IndexMap",
+    "fit_targets",
+    "strides",
+    "unravel",
+    "uncovered_elements",
+]
+
+# The vLLM applier's logger: the one users configure for index-map and apply messages.
+logger = logging.getLogger("deltasync.vllm")
+
+
+# ---------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How elements of one kind of runtime parameter are read and written by runtime flat index."""
+
+    name: str
+    """Registry name, shown in errors and logs."""
+    claims: Callable[[str, torch.nn.Parameter], bool]
+    """``claims(param_name, param)``: whether this layout addresses the parameter's elements."""
+    read: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    """``read(data, runtime, published)``: bit patterns (published dtype) at runtime flat indices."""
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], None]
+    """``write(data, runtime, bits, published)``: store bit patterns at runtime flat indices, in place."""
+
+
+def _plain_read(data: torch.Tensor, runtime: torch.Tensor, published: torch.dtype) -> torch.Tensor:
+    picked = data.view(-1)[runtime]
+    if picked.dtype != published:
+        picked = picked.to(published)
+    return picked.view(bits_dtype(published))
+
+
+def _plain_write(data: torch.Tensor, runtime: torch.Tensor, bits: torch.Tensor, published: torch.dtype) -> None:
+    flat = data.view(-1)
+    if data.dtype == published:
+        flat.view(bits_dtype(data.dtype)).index_copy_(0, runtime, bits)
+    else:
+        flat.index_copy_(0, runtime, bits.view(published).to(data.dtype))
+
+
+PLAIN = Layout(
+    name="plain",
+    claims=lambda name, param: param.layout == torch.strided,
+    read=_plain_read,
+    write=_plain_write,
+)
+
+_LAYOUTS: dict[str, Layout] = {PLAIN.name: PLAIN}
+
+
+def register_layout(layout: Layout) -> None:
+    """Register a parameter layout; it is asked before every layout registered earlier.
+
+    Raises:
+        `ValueError`: a layout with that name is registered already.
+    """
+    if layout.name in _LAYOUTS:
+        raise ValueError(f"layout {layout.name!r} is already registered; registered: {layout_names()}")
+    _LAYOUTS[layout.name] = layout
+
+
+def layout_names() -> list[str]:
+    """Names of every registered layout, in the order they are asked."""
+    return list(reversed(_LAYOUTS))
+
+
+def layout_for(param_name: str, param: torch.nn.Parameter) -> Layout:
+    """The newest registered layout that claims ``param``.
+
+    Raises:
+        `TensorMismatch`: no layout claims it, so it cannot be patched in place.
+    """
+    for layout in reversed(_LAYOUTS.values()):
+        if layout.claims(param_name, param):
+            return layout
+    raise TensorMismatch(
+        f"no registered parameter layout can patch {param_name!r} in place (layouts: {layout_names()})",
+        name=param_name,
+    )
+
+
+# ---------------------------------------------------------------------- targets
+
+
+@dataclass(slots=True)
+class Target:
+    """Where part of one checkpoint tensor lives in one runtime parameter on this rank."""
+
+    param: torch.nn.Parameter
+    """The runtime parameter (its ``.data`` is read at use time, never replaced)."""
+    param_name: str
+    ckpt_shape: tuple[int, ...]
+    layout: Layout = PLAIN
+    """How the parameter's elements are read and written."""
+    lo: tuple[int, ...] | None = None
+    """Box form: checkpoint coordinates [lo, hi) map to runtime coordinates + offset."""
+    hi: tuple[int, ...] | None = None
+    offset: tuple[int, ...] | None = None
+    flat: tuple[int, int, int] | None = None
+    """Box that is a flat range: checkpoint flat [a, b) -> runtime flat + shift."""
+    table: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Explicit form: sorted checkpoint flat indices and their runtime flat indices."""
+
+    @property
+    def count(self) -> int:
+        """Number of checkpoint elements this target holds."""
+        if self.table is not None:
+            return int(self.table[0].numel())
+        assert self.lo is not None and self.hi is not None
+        return int(np.prod([h - l for l, h in zip(self.lo, self.hi)]))
+
+    def translate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Positions in ``idx`` owned here (``None``: all of them) and their runtime flat indices."""
+        if self.flat is not None:
+            a, b, shift = self.flat
+            if a == 0 and b == int(np.prod(self.ckpt_shape)):  # the whole tensor, shifted: no mask
+                return None, idx + shift if shift else idx
+            pos = ((idx >= a) & (idx < b)).nonzero().squeeze(1)
+            return pos, idx[pos] + shift
+        if self.table is not None:
+            keys, values = self.table
+            at = torch.searchsorted(keys, idx).clamp_(max=max(keys.numel() - 1, 0))
+            pos = (keys[at] == idx).nonzero().squeeze(1) if keys.numel() else idx.new_empty(0)
+            return pos, values[at[pos]]
+        assert self.lo is not None and self.hi is not None and self.offset is not None
+        coords = unravel(idx, self.ckpt_shape)
+        mask = torch.ones_like(idx, dtype=torch.bool)
+        for c, lo, hi in zip(coords, self.lo, self.hi):
+            mask &= (c >= lo) & (c < hi)
+        pos = mask.nonzero().squeeze(1)
+        runtime = torch.zeros_like(pos)
+        for c, off, stride in zip(coords, self.offset, strides(tuple(self.param.shape))):
+            runtime += (c[pos] + off) * stride
+        return pos, runtime
+
+    def describe(self) -> list[Any]:
+        """``["box", lo, hi]`` or ``["table", count]``: what the follower's coverage check reads."""
+        if self.table is not None:
+            return ["table", self.count]
+        return ["box", list(self.lo or ()), list(self.hi or ())]
+
+
+def strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major strides, in elements, of a contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
+def unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Row-major coordinates, one tensor per dimension, of flat indices into ``shape``."""
+    coords: list[torch.Tensor] = []
+    rest = flat
+    for d in reversed(shape[1:]):
+        coords.append(rest % d)
+        rest = rest // d
+    coords.append(rest)
+    return coords[::-1]
+
+
+def fit_targets(
+    param: torch.nn.Parameter, name: str, spec: TensorSpec, c: torch.Tensor, r: torch.Tensor
+) -> list[Target]:
+    """Targets mapping checkpoint flat ``c`` to runtime flat ``r``: one verified box, else tables.
+
+    Raises:
+        `TensorMismatch`: no registered layout claims ``param``.
+    """
+    layout = layout_for(name, param)
+    box = _fit_box(param, name, spec, c, r, layout)
+    if box is not None:
+        return [box]
+    # Explicit tables; an element replicated within one parameter goes to a second table.
+    order = torch.argsort(c, stable=True)
+    c, r = c[order], r[order]
+    first = torch.ones_like(c, dtype=torch.bool)
+    first[1:] = c[1:] != c[:-1]
+    positions = torch.arange(c.numel(), device=c.device)
+    run_start = torch.cummax(torch.where(first, positions, 0), 0).values
+    rank = positions - run_start
+    logger.info("deltasync: %s -> %s kept as an explicit index table (%d elements)", spec.name, name, c.numel())
+    return [
+        Target(param, name, spec.shape, layout, table=(c[rank == k].contiguous(), r[rank == k].contiguous()))
+        for k in range(int(rank.max()) + 1 if c.numel() else 0)
+    ]
+
+
+def _fit_box(
+    param: torch.nn.Parameter, name: str, spec: TensorSpec, c: torch.Tensor, r: torch.Tensor, layout: Layout
+) -> Target | None:
+    """One box target exactly equal to the pairs ``(c, r)``, or ``None``."""
+    shape, rshape = spec.shape, tuple(param.shape)
+    if not c.numel() or len(shape) != len(rshape):
+        return None
+    row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    first, last = int(c.min()), int(c.max())
+    shift = r - c
+    # Fast exact check for whole rows moved by one shift (fused stacking, row and vocab shards).
+    if (
+        last - first + 1 == c.numel()
+        and first % row == 0
+        and c.numel() % row == 0
+        and shape[1:] == rshape[1:]
+        and int(shift.min()) == int(shift.max())
+    ):
+        delta = int(shift[0])
+        if delta % row == 0:
+            lo = (first // row,) + (0,) * (len(shape) - 1)
+            hi = ((last + 1) // row,) + tuple(shape[1:])
+            offset = (delta // row,) + (0,) * (len(shape) - 1)
+            return Target(param, name, shape, layout, lo=lo, hi=hi, offset=offset, flat=(first, last + 1, delta))
+    cc, rc = unravel(c, shape), unravel(r, rshape)
+    offsets = [rd - cd for cd, rd in zip(cc, rc)]
+    if all(int(o.min()) == int(o.max()) for o in offsets):
+        lo = tuple(int(x.min()) for x in cc)
+        hi = tuple(int(x.max()) + 1 for x in cc)
+        # Constant offsets make the map injective; full count makes it the whole box.
+        if int(np.prod([h - l for l, h in zip(lo, hi)])) == c.numel():
+            return Target(param, name, shape, layout, lo=lo, hi=hi, offset=tuple(int(o[0]) for o in offsets))
+    return None
+
+
+# ---------------------------------------------------------------------- the map
+
+
+class IndexMap:
+    """Checkpoint tensor name -> its targets on this rank.
+
+    Args:
+        specs (`Iterable[TensorSpec]`): the checkpoint tensors; each starts with no targets.
+    """
+
+    def __init__(self, specs: Iterable[TensorSpec]) -> None:
+        self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
+        self.targets: dict[str, list[Target]] = {name: [] for name in self.specs}
+
+    def owned(self) -> dict[str, list[Any]]:
+        """Per checkpoint tensor, what each target covers (:meth:`Target.describe`)."""
+        return {name: [t.describe() for t in ts] for name, ts in self.targets.items()}
+
+    def counts(self) -> dict[str, int]:
+        """Per checkpoint tensor, how many of its elements this rank holds (replicas counted each)."""
+        return {n: sum(t.count for t in ts) for n, ts in self.targets.items()}
+
+    def table_params(self) -> list[str]:
+        """Runtime parameters reached through an explicit table (sorted)."""
+        return sorted({t.param_name for ts in self.targets.values() for t in ts if t.table is not None})
+
+
+def uncovered_elements(specs: Mapping[str, TensorSpec], owned: Iterable[Mapping[str, list[Any]]]) -> list[str]:
+    """``"name (N elements)"`` for every tensor that the ranks' :meth:`IndexMap.owned` answers leave short."""
+    answers = list(owned)
+    missing = []
+    for name, spec in specs.items():
+        covered = np.zeros(spec.shape or (1,), dtype=bool)
+        tables = 0
+        for answer in answers:
+            for kind, *rest in answer.get(name, []):
+                if kind == "box":
+                    covered[tuple(slice(lo, hi) for lo, hi in zip(*rest))] = True
+                else:
+                    tables += int(rest[0])
+        if int(covered.sum()) + tables < spec.numel:
+            missing.append(f"{name} ({spec.numel - int(covered.sum()) - tables} elements)")
+    return missing

@@ -1,0 +1,121 @@
+"""Transport, node side: how the follower reaches the workers of one vLLM engine.
+
+Two engines answer the same five calls (``rpc``, ``pause``, ``resume``,
+``label``, ``reset_prefix_cache``):
+
+- :class:`InProcessEngine`: an ``LLM`` in this process; ``collective_rpc``
+  already runs between engine steps, so pausing is a no-op. Arguments travel
+  as raw ``bytes`` (``text = False``).
+- :class:`ServerEngine`: a ``vllm serve`` server started with
+  ``VLLM_SERVER_DEV_MODE=1``, through ``/collective_rpc``, ``/pause``,
+  ``/resume``, ``/update_weight_version`` and ``/reset_prefix_cache``.
+  Arguments travel as base64 text (``text = True``), since the server passes
+  only strings through.
+
+Limitations:
+
+- The in-process ``LLM`` must be driven from the thread that owns it (vLLM's
+  synchronous client is not thread-safe).
+- The server is reached with ``urllib``: no retries, no authentication
+  header; an HTTP error or an unreachable server raises
+  :class:`~deltasync.errors.DeltaSyncError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ..errors import DeltaSyncError
+
+__all__ = ["InProcessEngine", "ServerEngine", "HTTP_TIMEOUT_S"]
+
+HTTP_TIMEOUT_S = 600.0  # per request; also the collective_rpc timeout the server is given
+
+
+class InProcessEngine:
+    """An ``LLM`` in this process.
+
+    Args:
+        llm (`vllm.LLM`): started with the deltasync worker extension.
+    """
+
+    text = False
+    """RPC payloads travel as raw bytes."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker; one answer per rank."""
+        return list(self.llm.collective_rpc(method, args=args))
+
+    def pause(self, mode: str) -> None:
+        """Nothing to do: ``collective_rpc`` already runs between engine steps."""
+
+    def resume(self) -> None:
+        """Nothing to do (see :meth:`pause`)."""
+
+    def label(self, version: str) -> None:
+        """Set the engine's weight-version label."""
+        self.llm.llm_engine.set_weight_version(version)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (computed with the old weights)."""
+        self.llm.reset_prefix_cache()
+
+
+class ServerEngine:
+    """A ``vllm serve`` server in dev mode (``VLLM_SERVER_DEV_MODE=1``).
+
+    Args:
+        url (`str`): base URL, e.g. ``"http://127.0.0.1:8000"``.
+        timeout (`float`, *optional*, defaults to `HTTP_TIMEOUT_S`): seconds per request.
+    """
+
+    text = True
+    """RPC payloads travel as base64 text."""
+
+    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _post(self, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(
+            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise DeltaSyncError(f"{self.url}{path} answered {exc.code}: {detail}", url=self.url) from None
+        except urllib.error.URLError as exc:
+            raise DeltaSyncError(
+                f"cannot reach {self.url}{path} ({exc.reason}); is the server up with VLLM_SERVER_DEV_MODE=1?",
+                url=self.url,
+            ) from None
+        return json.loads(raw) if raw else None
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker through ``/collective_rpc``; one answer per rank."""
+        answer = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        return list(answer["results"])
+
+    def pause(self, mode: str) -> None:
+        """``/pause?mode=...``: ``keep`` freezes the scheduler, ``wait`` / ``abort`` drain requests."""
+        self._post(f"/pause?mode={mode}")
+
+    def resume(self) -> None:
+        """``/resume``."""
+        self._post("/resume")
+
+    def label(self, version: str) -> None:
+        """Set the engine's weight-version label (``/update_weight_version``)."""
+        self._post("/update_weight_version", {"new_version": version})
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (computed with the old weights)."""
+        self._post("/reset_prefix_cache")

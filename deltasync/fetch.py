@@ -1,0 +1,196 @@
+"""Replica side, one route at a time: download, verify and decode the objects of a plan.
+
+A :class:`Fetcher` serves one :class:`~deltasync.subscriber.Subscriber`. It
+downloads a route's objects in parallel, never reading more than the manifest
+promises (an endless or oversized object costs nothing), checks each one's size
+and SHA-256, then, per version, checks every header against the replica and
+against what the manifest claims (version, kind, base) and decodes everything,
+so the subscriber hands its applier only patches that were fully validated
+(invariant 4).
+
+Refusals stick to the *claim*: an object as one manifest lists it (its ref,
+version and kind). A forged manifest that mislabels a good object cannot spoil
+that object for the repaired manifest. Objects whose content fails validation
+are avoided for good under that claim; objects whose transfer failed
+:data:`BAD_AFTER` times are avoided for :data:`BAD_RETRY_S`, then tried again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+
+from .codec import Decoded
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, VersionError
+from .format import MAX_HEADER_BYTES, Header, combine, decode, read_header
+from .manifest import Manifest, ObjectRef, Plan, Step
+from .stores import Store
+from .tensors import TensorSpec, describe_differences
+
+__all__ = ["Applier", "Fetcher", "BAD_AFTER", "BAD_RETRY_S"]
+
+logger = logging.getLogger("deltasync.subscriber")
+
+BAD_AFTER = 3  # hash/size failures of one object before routes avoid it
+# Routes avoid an object that failed BAD_AFTER transfers for this long, then try it again
+# (a flaky link heals; an object that fails validation is avoided for good).
+BAD_RETRY_S = 120.0
+MAX_ANCHOR_PARTS_READ = 64  # anchor parts whose headers explain a model mismatch: enough to name what differs
+
+# An object as one manifest lists it: its ref, version and kind (``None, None``: any listing).
+_Claim = tuple[ObjectRef, int | None, str | None]
+
+
+class Applier(Protocol):
+    """Where a subscriber writes: validates files against, reads from and patches the weights."""
+
+    fingerprint: str
+    specs: dict[str, TensorSpec]
+
+    def validate(self, header: Header) -> None: ...
+
+    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray: ...
+
+    def apply(self, decoded: dict[str, Decoded]) -> None: ...
+
+
+class Fetcher:
+    """Downloads and vets the objects of a replica's routes.
+
+    Args:
+        store (`Store`): the run prefix.
+        applier (`Applier`): the replica's weights: what headers are checked against, and
+            where base-relative codecs read the current bit patterns.
+        workers (`int`): parallel downloads.
+    """
+
+    def __init__(self, store: Store, applier: Applier, *, workers: int) -> None:
+        self.store, self.applier = store, applier
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-fetch")
+        self._bad: dict[_Claim, float] = {}  # claim -> monotonic time until which routes avoid it
+        self._failures: Counter[ObjectRef] = Counter()
+        self._mismatch: tuple[str, str] | None = None  # (fingerprint, what differs), explained once
+
+    def close(self) -> None:
+        """Stop the download threads (waits for downloads in flight)."""
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ downloads
+
+    def avoided(self, manifest: Manifest) -> set[str]:
+        """Keys of ``manifest`` that routes must not use now."""
+        now = time.monotonic()
+        out = set()
+        for entry in manifest.versions:
+            for kind, refs in (("delta", entry.delta), ("anchor", entry.anchor)):
+                for ref in refs:
+                    claims = ((ref, entry.version, kind), (ref, None, None))
+                    if any(self._bad.get(claim, 0.0) > now for claim in claims):
+                        out.add(ref.key)
+        return out
+
+    def prefetch(self, plan: Plan) -> dict[str, Future[bytes]]:
+        """Start downloading every object of ``plan``; results by key (verified on completion)."""
+        return {ref.key: self._pool.submit(self._download, ref) for s in plan.steps for ref in s.objects}
+
+    def _download(self, ref: ObjectRef) -> bytes:
+        try:
+            data = self.store.get(ref.key, max_bytes=ref.size)
+        except IntegrityError:
+            data = b""  # larger than promised: counted below like any other mismatch
+        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+            # A truncated transfer may succeed next time; a third failure marks the object bad.
+            self._failures[ref] += 1
+            if self._failures[ref] >= BAD_AFTER:
+                self._failures[ref] = 0
+                self._bad[(ref, None, None)] = time.monotonic() + BAD_RETRY_S
+            raise IntegrityError(
+                f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
+                f"({ref.size} bytes); object refused",
+                key=ref.key,
+            )
+        return data
+
+    # ------------------------------------------------------------------ checks
+
+    def check_and_decode(self, step: Step, blobs: list[bytes], previous_version: int | None) -> dict[str, Decoded]:
+        """Validate every file of one version against the replica and the manifest's claim, and
+        decode it all; nothing is written. Refused objects are avoided under this claim."""
+        headers = [read_header(b) for b in blobs]
+        for ref, header in zip(step.objects, headers):
+            try:
+                self.applier.validate(header)
+                _check_claim(ref, header, step, previous_version)
+            except DeltaSyncError:
+                self._refuse(step, ref)
+                raise
+        if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
+            self._refuse(step, *step.objects)
+            raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
+        parts = []
+        for ref, blob, header in zip(step.objects, blobs, headers):
+            try:
+                parts.append(decode(blob, base=self.applier.lookup, header=header))
+            except DeltaSyncError:
+                self._refuse(step, ref)
+                raise
+        try:
+            # One file per tensor, or a trainer's shards: each element carried at most once,
+            # and an anchor carries all of them.
+            return combine(parts, whole=step.kind == "anchor")
+        except DeltaSyncError:
+            self._refuse(step, *step.objects)
+            raise
+
+    def _refuse(self, step: Step, *refs: ObjectRef) -> None:
+        """Never use these objects again as ``step`` lists them: their content failed validation."""
+        for ref in refs:
+            self._bad[(ref, step.version, step.kind)] = math.inf
+
+    # ------------------------------------------------------------------ explaining a refusal
+
+    def explain_mismatch(self, manifest: Manifest) -> str:
+        """What differs between the run's model and the replica's, from the newest anchor's headers.
+
+        Read once per run fingerprint, by range (two small reads per part); best effort.
+        """
+        if self._mismatch is not None and self._mismatch[0] == manifest.fingerprint:
+            return self._mismatch[1]
+        anchors = manifest.anchors()
+        text = f"fingerprint {manifest.fingerprint} there, {self.applier.fingerprint} here"
+        if anchors:
+            try:
+                parts = anchors[-1].anchor[:MAX_ANCHOR_PARTS_READ]
+                specs = [e.spec for ref in parts for e in self._header(ref).tensors.values()]
+                text = describe_differences(specs, self.applier.specs.values())
+            except DeltaSyncError as exc:  # the explanation is best effort; the refusal stands
+                logger.debug("could not read the run's anchor to explain a mismatch: %s", exc)
+        self._mismatch = (manifest.fingerprint, text)
+        return text
+
+    def _header(self, ref: ObjectRef) -> Header:
+        length = int.from_bytes(self.store.get_range(ref.key, 0, 8), "little")
+        if not 0 < length <= min(MAX_HEADER_BYTES, ref.size - 8):
+            raise DeltaFormatError(f"{ref.key}: header length {length} out of range", key=ref.key)
+        return read_header(self.store.get_range(ref.key, 0, 8 + length))
+
+
+def _check_claim(ref: ObjectRef, header: Header, step: Step, previous_version: int | None) -> None:
+    """The file is what the manifest says it is: version, kind, and for a delta the base held here."""
+    if header.version != step.version or header.kind != step.kind:
+        raise VersionError(
+            f"{ref.key} holds {header.kind} v{header.version}, manifest says {step.kind} v{step.version}",
+            key=ref.key,
+        )
+    if step.kind == "delta" and header.base_version != previous_version:
+        raise VersionError(
+            f"{ref.key} applies to v{header.base_version}, replica holds v{previous_version}",
+            key=ref.key,
+        )

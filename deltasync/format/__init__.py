@@ -1,0 +1,53 @@
+"""The wire format: one delta or anchor is one valid safetensors file.
+
+A *delta* carries, for each changed tensor ``T``, the entries ``T::idx`` /
+``T::val`` (or whatever parts its codec names) and, in the safetensors
+``__metadata__``, everything needed to check and decode it: format and version,
+model fingerprint, version and base version, and per tensor its codec, shape,
+dtype, changed-element count and codec params. An *anchor* is a plain bf16
+checkpoint (entries named after the tensors themselves, loadable by any
+safetensors reader) with the same metadata. ``docs/FORMAT.md`` specifies it.
+
+Reading is split in two so a receiver can refuse a file before decoding it:
+:func:`read_header` parses and validates the metadata alone, and
+:func:`decode` decodes and validates every tensor without writing anything.
+"""
+
+from __future__ import annotations
+
+from .decode import combine, decode
+from .encode import DEFAULT_LEVEL, as_numpy_bits, encode_anchor, encode_delta, serialize
+from .header import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    Header,
+    Kind,
+    Rows,
+    TensorEntry,
+    check_compatible,
+    raw_header,
+    read_header,
+    slice_spec,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "DEFAULT_LEVEL",
+    "Kind",
+    "Rows",
+    "TensorEntry",
+    "Header",
+    "slice_spec",
+    "encode_delta",
+    "encode_anchor",
+    "serialize",
+    "as_numpy_bits",
+    "raw_header",
+    "read_header",
+    "check_compatible",
+    "decode",
+    "combine",
+]

@@ -1,0 +1,142 @@
+"""Reading delta and anchor files: validated patches, written nowhere.
+
+:func:`decode` checks and decodes every tensor of one file; :func:`combine`
+joins the files of one version (anchor parts, trainer shards), refusing
+overlaps and, for anchors, gaps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from ..codec import BaseLookup, Decoded, get_codec
+from ..errors import CodecError, DeltaFormatError
+from ..tensors import TensorSpec
+from .header import Header, TensorEntry, read_header
+
+__all__ = ["decode", "combine"]
+
+
+def decode(
+    data: bytes | memoryview, *, base: BaseLookup | None = None, header: Header | None = None
+) -> tuple[Header, dict[str, Decoded]]:
+    """Decode every tensor of a delta or anchor, validating all of it, writing nothing.
+
+    Args:
+        data (`bytes`): the whole file.
+        base (`BaseLookup`, *optional*): reads the receiver's current bit patterns,
+            required by base-relative codecs such as ``compact``.
+        header (`Header`, *optional*): the already parsed header, to skip re-parsing.
+
+    Returns:
+        `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
+            For a shard file (entries with ``rows``) indices are flat in the full tensor and
+            a whole slice comes back as ``Decoded(None, values, start)``; :func:`combine`
+            joins the shards of one version.
+
+    Raises:
+        `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
+            base-relative decode did not reproduce the publisher's values.
+    """
+    header = header or read_header(data)
+    try:
+        entries = safetensors.torch.load(bytes(data))
+    except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
+        raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
+    decoded: dict[str, Decoded] = {}
+    if header.kind == "anchor":
+        if entries.keys() != header.tensors.keys():
+            raise DeltaFormatError("anchor entries differ from its metadata")
+        for name, entry in header.tensors.items():
+            parts = {"val": entries[name]}
+            decoded[name] = _place(get_codec("dense").decode(parts, {}, entry.local_spec, entry.nnz, None), entry)
+        return header, decoded
+    grouped: dict[str, dict[str, torch.Tensor]] = {name: {} for name in header.tensors}
+    stray = []
+    for key, value in entries.items():  # one pass: entry "T::part" belongs to tensor T
+        cut = key.rfind("::")
+        if cut < 0 or key[:cut] not in grouped:
+            stray.append(key)
+        else:
+            grouped[key[:cut]][key[cut + 2 :]] = value
+    if stray:
+        raise DeltaFormatError(f"entries without metadata: {stray[:5]}")
+    codecs = {}
+    for name, entry in header.tensors.items():  # resolve every codec before decoding any
+        try:
+            codecs[name] = get_codec(entry.codec)
+        except ValueError as exc:
+            raise CodecError(f"{name}: {exc}", name=name) from None
+    for name, entry in header.tensors.items():
+        lookup = base
+        if base is not None and entry.offset:
+            lookup = functools.partial(_shifted_lookup, base, entry.offset)
+        decoded[name] = _place(codecs[name].decode(grouped[name], entry.params, entry.local_spec, entry.nnz, lookup), entry)
+    return header, decoded
+
+
+def _shifted_lookup(base: BaseLookup, offset: int, name: str, indices: np.ndarray) -> np.ndarray:
+    return base(name, indices + offset)
+
+
+def _place(patch: Decoded, entry: TensorEntry) -> Decoded:
+    """Move a shard's slice-relative patch to its place in the full tensor."""
+    offset = entry.offset
+    if not offset:
+        return patch
+    if patch.indices is None:
+        return Decoded(None, patch.values, offset)
+    return Decoded(patch.indices + offset, patch.values)
+
+
+def combine(parts: Sequence[tuple[Header, dict[str, Decoded]]], *, whole: bool) -> dict[str, Decoded]:
+    """Join the decoded files of one version (anchor parts, or shards from several ranks).
+
+    Each tensor's pieces must cover disjoint ranges of it; with ``whole`` (anchors)
+    they must cover all of it. A tensor carried by one file is passed through; a
+    tensor in slices becomes one patch: whole values when the slices cover the
+    tensor densely, sorted indices and values otherwise.
+
+    Raises:
+        `DeltaFormatError`: two files carry the same elements, or an anchor leaves a gap.
+    """
+    pieces: dict[str, list[tuple[tuple[int, int], Decoded]]] = {}
+    specs: dict[str, TensorSpec] = {}
+    for header, decoded in parts:
+        for name, patch in decoded.items():
+            entry = header.tensors[name]
+            if specs.setdefault(name, entry.spec) != entry.spec:
+                raise DeltaFormatError(f"{name}: the files of one version disagree on its shape or dtype")
+            pieces.setdefault(name, []).append((entry.span, patch))
+    out: dict[str, Decoded] = {}
+    for name, found in pieces.items():
+        found.sort(key=lambda item: item[0])
+        covered = 0
+        for (start, stop), _ in found:
+            if start < covered:
+                raise DeltaFormatError(f"{name}: two files of one version carry the same elements")
+            if whole and start != covered:
+                raise DeltaFormatError(f"{name}: the anchor leaves elements [{covered}, {start}) out")
+            covered = stop
+        if whole and covered != specs[name].numel:
+            raise DeltaFormatError(f"{name}: the anchor leaves elements [{covered}, {specs[name].numel}) out")
+        out[name] = _join([p for _, p in found], specs[name].numel)
+    return out
+
+
+def _join(patches: list[Decoded], numel: int) -> Decoded:
+    if len(patches) == 1 and (patches[0].indices is not None or (patches[0].start == 0 and patches[0].values.size == numel)):
+        return patches[0]
+    if all(p.indices is None for p in patches) and sum(p.values.size for p in patches) == numel:
+        return Decoded(None, np.concatenate([p.values for p in patches]))
+    indices = [
+        p.indices if p.indices is not None else np.arange(p.start, p.start + p.values.size, dtype=np.int64)
+        for p in patches
+    ]
+    return Decoded(np.concatenate(indices), np.concatenate([p.values for p in patches]))

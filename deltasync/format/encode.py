@@ -1,0 +1,225 @@
+"""Writing delta and anchor files: change sets and full tensors to safetensors bytes.
+
+Encoding runs each changed tensor through its codec on a few threads (codecs
+release the GIL in zstd and numpy), then lays the entries out exactly as
+``safetensors.torch.save`` would, without its per-entry overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ..codec import DEFAULT_CODEC, get_codec
+from ..diff import ChangeSet, TensorChange
+from ..tensors import TensorSpec
+from .header import Rows, entry_json, metadata_strings, slice_spec
+
+__all__ = ["DEFAULT_LEVEL", "encode_delta", "encode_anchor", "serialize", "as_numpy_bits"]
+
+DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
+_WORKERS = min(8, os.cpu_count() or 1)
+# Fixed cost of encoding one tensor, in changed elements (~30 us at ~25 ns per
+# element on SmolLM2): what balancing the encoder threads' shares counts per tensor.
+_TASK_COST = 1000
+# safetensors' dtype names, with the rank of its writer's layout order (entries
+# of a higher rank come first); see _serialize.
+_SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    dtype: (name, rank)
+    for rank, (dtype, name) in enumerate(
+        [
+            (torch.bool, "BOOL"),
+            (torch.uint8, "U8"),
+            (torch.int8, "I8"),
+            (torch.int16, "I16"),
+            (torch.float16, "F16"),
+            (torch.bfloat16, "BF16"),
+            (torch.int32, "I32"),
+            (torch.float32, "F32"),
+            (torch.float64, "F64"),
+            (torch.int64, "I64"),
+        ]
+    )
+}
+_T = TypeVar("_T")
+
+
+def encode_delta(
+    changes: ChangeSet,
+    *,
+    version: int,
+    base_version: int,
+    codec: str = DEFAULT_CODEC,
+    level: int = DEFAULT_LEVEL,
+    workers: int | None = None,
+    model: Sequence[TensorSpec] | None = None,
+    rows: Mapping[str, Rows] | None = None,
+) -> bytes:
+    """Serialize a change set as a delta file.
+
+    Args:
+        changes (`ChangeSet`): what changed since ``base_version``.
+        version (`int`): the version this delta produces; must exceed ``base_version``.
+        base_version (`int`): the version the changes were computed against.
+        codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors;
+            densely changed tensors always use ``"dense"``.
+        level (`int`, *optional*, defaults to 1): zstd level for compressing codecs.
+        workers (`int`, *optional*): encoding threads; defaults to the CPU count (at most 8).
+        model (`Sequence[TensorSpec]`, *optional*): every tensor of the full model, when
+            ``changes`` covers only one trainer rank's shard of it (see ``rows``).
+        rows (`Mapping[str, Rows]`, *optional*): for a shard: per tensor, the dim-0 rows of
+            the full tensor that ``changes`` was computed on (its specs are the slices).
+
+    Returns:
+        `bytes`: one safetensors file.
+    """
+    if version <= base_version:
+        raise ValueError(f"version {version} must be greater than base_version {base_version}")
+    sparse = get_codec(codec)
+    dense = get_codec("dense")
+
+    def encode_one(change: TensorChange) -> tuple[str, Any]:
+        chosen = dense if change.dense else sparse
+        if not chosen.supports(change):
+            chosen = get_codec(DEFAULT_CODEC)
+        return chosen.name, chosen.encode(change, level=level)
+
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    specs = tuple(model) if model is not None else changes.specs
+    full = _full_specs(specs, [c.spec for c in changes.changes], rows)
+    results = _map_shared(encode_one, changes.changes, workers or _WORKERS)
+    for change, (name, encoded) in zip(changes.changes, results):
+        for part, array in encoded.parts.items():
+            tensors[f"{change.spec.name}::{part}"] = array.contiguous()
+        entries[change.spec.name] = entry_json(
+            full[change.spec.name], name, change.nnz, encoded.params, (rows or {}).get(change.spec.name)
+        )
+    meta = metadata_strings("delta", version, base_version, specs, entries)
+    return serialize(tensors, meta)
+
+
+def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows: Mapping[str, Rows] | None) -> dict[str, TensorSpec]:
+    """The full-tensor spec of each carried tensor, checking that shard slices match their rows."""
+    by_name = {s.name: s for s in model}
+    out = {}
+    for local in carried:
+        spec = by_name.get(local.name, local)
+        window = (rows or {}).get(local.name)
+        if window is not None:
+            if not spec.shape or not 0 <= window[0] <= window[1] <= spec.shape[0] or slice_spec(spec, window) != local:
+                raise ValueError(f"{local.name}: slice {local} does not match rows {window} of {spec}")
+        elif spec != local:
+            raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")
+        out[local.name] = spec
+    return out
+
+
+def _map_shared(fn: Callable[[TensorChange], _T], changes: Sequence[TensorChange], workers: int) -> list[_T]:
+    """``[fn(c) for c in changes]`` in up to ``workers`` threads, one share of the work each.
+
+    numpy and zstd release the GIL on large arrays, so tensors encode in
+    parallel; but one task per tensor hands the GIL and results back and forth
+    hundreds of times per delta, which cost more than it saved on 2 cores. So
+    each thread (the caller included) takes one share, balanced by changed
+    elements, largest tensors dealt first.
+    """
+    if workers <= 1 or len(changes) <= 1:
+        return [fn(c) for c in changes]
+    shares: list[list[int]] = [[] for _ in range(min(workers, len(changes)))]
+    loads = [0] * len(shares)
+    for i in sorted(range(len(changes)), key=lambda i: -changes[i].nnz):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(i)
+        loads[lightest] += changes[i].nnz + _TASK_COST
+    results: list[Any] = [None] * len(changes)
+
+    def run(share: list[int]) -> None:
+        for i in share:
+            results[i] = fn(changes[i])
+
+    with ThreadPoolExecutor(max_workers=len(shares) - 1) as pool:
+        pending = [pool.submit(run, share) for share in shares[1:]]
+        run(shares[0])
+        for future in pending:
+            future.result()
+    return results
+
+
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost.
+
+    safetensors' Python wrapper spends ~18 us per entry (ctypes pointers,
+    shared-storage checks) before the one copy into the file: 8.8 ms for a
+    SmolLM2 delta's 478 entries, against 0.7 ms here. The layout is the same:
+    header JSON padded with spaces to 8 bytes, then the entries widest dtype
+    first and by name within a dtype. Anything else (other dtypes, devices,
+    big-endian hosts) goes through safetensors itself.
+    """
+    if sys.byteorder != "little" or any(
+        t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" or not t.is_contiguous()
+        for t in tensors.values()
+    ):
+        return safetensors.torch.save(tensors, metadata=metadata)
+    order = sorted(tensors, key=lambda name: (-_SAFETENSORS_DTYPES[tensors[name].dtype][1], name))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    buffers = []
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype][0],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + data.size],
+        }
+        buffers.append(data)
+        offset += data.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
+
+
+def encode_anchor(
+    source: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    model: Sequence[TensorSpec] | None = None,
+    rows: Mapping[str, Rows] | None = None,
+) -> bytes:
+    """Serialize full tensors (in their published dtype) as an anchor file.
+
+    The entries are the tensors under their own names, so an anchor is also an
+    ordinary safetensors checkpoint.
+
+    Args:
+        source (`Mapping[str, Tensor]`): the tensors this file carries.
+        version (`int`): the version the weights belong to.
+        model (`Sequence[TensorSpec]`, *optional*): every tensor of the model, when
+            ``source`` is one part of a larger anchor; fingerprint and ``numel``
+            describe the whole model.
+        rows (`Mapping[str, Rows]`, *optional*): for a trainer rank's shard: per tensor,
+            the dim-0 rows of the full tensor that ``source`` holds.
+    """
+    specs = tuple(TensorSpec.of(n, t) for n, t in source.items())
+    full = _full_specs(tuple(model) if model is not None else specs, specs, rows)
+    entries = {s.name: entry_json(full[s.name], "dense", s.numel, {}, (rows or {}).get(s.name)) for s in specs}
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
+    meta = metadata_strings("anchor", version, None, tuple(model) if model is not None else specs, entries)
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def as_numpy_bits(tensor: torch.Tensor) -> np.ndarray:
+    """Bit patterns of a CPU tensor as a flat numpy array (for base lookups)."""
+    from .tensors import bits_view
+
+    return bits_view(tensor.detach()).reshape(-1).cpu().numpy()

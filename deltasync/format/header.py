@@ -1,0 +1,239 @@
+"""The header of a delta or anchor file: its constants, types, and how it is written and read back.
+
+Everything a receiver checks before decoding a single element lives here: the
+safetensors JSON header (length-bounded, strict JSON), the deltasync metadata
+(format, versions, fingerprint, per-tensor entries) parsed into a
+:class:`Header`, and the compatibility check against a receiver's fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import DeltaFormatError, FingerprintMismatch
+from ..jsonio import load_json
+from ..tensors import TensorSpec, dtype_from_name, fingerprint
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "Kind",
+    "Rows",
+    "slice_spec",
+    "TensorEntry",
+    "Header",
+    "entry_json",
+    "metadata_strings",
+    "raw_header",
+    "read_header",
+    "check_compatible",
+]
+
+FORMAT_NAME = "deltasync"
+FORMAT_VERSION = 1
+# Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
+MAX_HEADER_BYTES = 64 << 20
+
+Kind = Literal["delta", "anchor"]
+Rows = tuple[int, int]
+"""``[start, stop)`` along dim 0 of a tensor: the part of it one shard file carries."""
+
+
+def slice_spec(spec: TensorSpec, rows: Rows) -> TensorSpec:
+    """The spec of rows ``[start, stop)`` (dim 0) of the tensor ``spec`` describes."""
+    return TensorSpec(spec.name, (rows[1] - rows[0], *spec.shape[1:]), spec.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """What a file says about one tensor it carries."""
+
+    spec: TensorSpec
+    """Name, full shape and published dtype."""
+    codec: str
+    """Codec that encoded the tensor (``"dense"`` for anchors)."""
+    nnz: int
+    """Elements that changed since the base version (all, for anchors)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Codec parameters."""
+    rows: Rows | None = None
+    """For a shard written by one trainer rank: the dim-0 rows of the full tensor this
+    file carries (indices and values are relative to the first); ``None``: all of it."""
+
+    @property
+    def local_spec(self) -> TensorSpec:
+        """The spec of what the file carries: the full tensor, or its slice of ``rows``."""
+        return self.spec if self.rows is None else slice_spec(self.spec, self.rows)
+
+    @property
+    def offset(self) -> int:
+        """Flat index in the full tensor of the first element carried."""
+        if self.rows is None:
+            return 0
+        return self.rows[0] * (self.spec.numel // self.spec.shape[0] if self.spec.shape[0] else 0)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Flat ``[start, stop)`` range of the full tensor that this entry covers."""
+        return self.offset, self.offset + self.local_spec.numel
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The validated metadata of a delta or anchor file."""
+
+    kind: Kind
+    """``"delta"`` or ``"anchor"``."""
+    version: int
+    """The version this file produces."""
+    base_version: int | None
+    """The version a delta applies to; ``None`` for anchors."""
+    fingerprint: str
+    """Hash of all published names, shapes and dtypes (see :func:`tensors.fingerprint`)."""
+    numel: int
+    """Elements in the whole model."""
+    tensors: dict[str, TensorEntry]
+    """Carried tensors by name; unchanged tensors are absent from deltas."""
+    format_version: int = FORMAT_VERSION
+    """Wire format revision."""
+
+    @property
+    def nnz(self) -> int:
+        """Elements this file changes."""
+        return sum(e.nnz for e in self.tensors.values())
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the model's elements left untouched."""
+        return 1.0 - self.nnz / self.numel if self.numel else 1.0
+
+
+def entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any], rows: Rows | None = None) -> dict[str, Any]:
+    out = {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
+    if rows is not None:
+        out["rows"] = [int(rows[0]), int(rows[1])]
+    return out
+
+
+def metadata_strings(
+    kind: Kind,
+    version: int,
+    base_version: int | None,
+    specs: tuple[TensorSpec, ...],
+    entries: dict[str, dict[str, Any]],
+) -> dict[str, str]:
+    numel = sum(s.numel for s in specs)
+    nnz = sum(e["nnz"] for e in entries.values())
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": kind,
+        "version": str(version),
+        "fingerprint": fingerprint(specs),
+        "numel": str(numel),
+        "nnz": str(nnz),
+        "sparsity": f"{1 - nnz / numel if numel else 1.0:.6f}",
+        "tensors": json.dumps(entries, separators=(",", ":")),
+    }
+    if base_version is not None:
+        meta["base_version"] = str(base_version)
+    return meta
+
+
+def raw_header(data: bytes | memoryview) -> dict[str, Any]:
+    """The safetensors JSON header of ``data``, with its length bounded and checked."""
+    if len(data) < 8:
+        raise DeltaFormatError("not a safetensors file: shorter than 8 bytes")
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    if length > MAX_HEADER_BYTES or length > len(data) - 8:
+        raise DeltaFormatError(
+            f"safetensors header length {length} exceeds the file or the {MAX_HEADER_BYTES}-byte cap",
+            length=length,
+        )
+    header = load_json(bytes(data[8 : 8 + length]), what="safetensors header", error=DeltaFormatError)
+    if not isinstance(header, dict):
+        raise DeltaFormatError("safetensors header must be a JSON object")
+    return header
+
+
+def read_header(data: bytes | memoryview) -> Header:
+    """Parse and validate the deltasync metadata of a delta or anchor file.
+
+    Raises:
+        `DeltaFormatError`: the file is not a deltasync file of a supported version,
+            or its metadata is malformed.
+    """
+    meta = raw_header(data).get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise DeltaFormatError("not a deltasync file: metadata 'format' is not 'deltasync'")
+    try:
+        return _parse_header(meta)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:  # int(inf), nested JSON
+        if isinstance(exc, DeltaFormatError):
+            raise
+        raise DeltaFormatError(f"malformed deltasync metadata: {exc!r}") from None
+
+
+def _parse_header(meta: dict[str, Any]) -> Header:
+    format_version = int(meta["format_version"])
+    if format_version != FORMAT_VERSION:
+        raise DeltaFormatError(
+            f"format version {format_version} is not supported (this deltasync reads "
+            f"{FORMAT_VERSION}); upgrade deltasync",
+            format_version=format_version,
+        )
+    kind = meta["kind"]
+    if kind not in ("delta", "anchor"):
+        raise DeltaFormatError(f"unknown kind {kind!r}")
+    version = int(meta["version"])
+    base = int(meta["base_version"]) if kind == "delta" else None
+    if version < 0 or (base is not None and not 0 <= base < version):
+        raise DeltaFormatError(f"bad version {version} / base {base}")
+    raw_entries = load_json(str(meta["tensors"]).encode(), what="metadata 'tensors'", error=DeltaFormatError)
+    if not isinstance(raw_entries, dict):
+        raise DeltaFormatError("metadata 'tensors' must be a JSON object")
+    tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
+    numel = int(meta["numel"])
+    return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
+
+
+def _parse_entry(name: str, raw: Any) -> TensorEntry:
+    if not isinstance(raw, dict):
+        raise DeltaFormatError(f"{name}: tensor entry must be an object")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise DeltaFormatError(f"{name}: bad shape {shape!r}")
+    dtype_from_name(raw["dtype"])
+    spec = TensorSpec(name, tuple(shape), raw["dtype"])
+    nnz, params, rows = raw["nnz"], raw.get("params", {}), raw.get("rows")
+    if rows is not None:
+        if (
+            not isinstance(rows, list)
+            or len(rows) != 2
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+            or not shape
+            or not 0 <= rows[0] <= rows[1] <= shape[0]
+        ):
+            raise DeltaFormatError(f"{name}: bad rows {rows!r} for shape {shape}")
+        rows = (rows[0], rows[1])
+    entry = TensorEntry(spec, str(raw["codec"]), 0, {}, rows)
+    if not isinstance(nnz, int) or not 0 <= nnz <= entry.local_spec.numel:
+        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
+    if not isinstance(params, dict):
+        raise DeltaFormatError(f"{name}: params must be an object")
+    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows)
+
+
+def check_compatible(header: Header, expected_fingerprint: str) -> None:
+    """Refuse a file made for another model."""
+    if header.fingerprint != expected_fingerprint:
+        raise FingerprintMismatch(
+            f"file is for model {header.fingerprint}, this receiver holds {expected_fingerprint}: "
+            "point the receiver at the right store, or start it from this run's anchor",
+            expected=expected_fingerprint,
+            found=header.fingerprint,
+        )

@@ -1,0 +1,120 @@
+"""Where objects live in a store: the key layout of a run prefix, defined once.
+
+A run prefix holds the manifest (the commit point), version objects and
+replica acks::
+
+    manifest.json
+    deltas/<version:010d>-<suffix>[-r<rank:05d>].safetensors
+    anchors/<version:010d>-<suffix>[-r<rank:05d>]-part<part:04d>.safetensors
+    acks/<replica>.json
+
+``<suffix>`` is 8 random hex digits, so an object's key is never reused, even
+by two writers racing for the same version. ``-r<rank>`` names the rank of a
+sharded trainer that uploaded the object. Keys are ``/``-separated paths
+relative to the run prefix; :func:`check_key` refuses anything that could
+escape it.
+
+This module is the lowest layer of the package: it imports only
+:mod:`deltasync.errors`.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from .errors import ManifestError
+
+__all__ = [
+    "MANIFEST_KEY",
+    "DELTAS",
+    "ANCHORS",
+    "ACKS",
+    "VERSION_PREFIXES",
+    "check_key",
+    "delta_key",
+    "anchor_prefix",
+    "anchor_part_key",
+    "ack_key",
+]
+
+MANIFEST_KEY = "manifest.json"
+"""The manifest's key: the one object that is rewritten, and the commit point."""
+DELTAS = "deltas/"
+"""Prefix of delta objects."""
+ANCHORS = "anchors/"
+"""Prefix of anchor parts."""
+ACKS = "acks/"
+"""Prefix of replica acks (rewritten by their replicas)."""
+VERSION_PREFIXES = (DELTAS, ANCHORS)
+"""Prefixes of version objects: immutable once written, named by a manifest or orphaned."""
+
+OBJECT_SUFFIX = ".safetensors"
+SUFFIX_HEX = 8  # random hex digits in a version object's key
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+def check_key(key: str) -> str:
+    """Validate a key: relative, ``/``-separated, no ``..``, ``.`` or empty segments.
+
+    Raises:
+        `ManifestError`: the key is unsafe (path traversal, absolute, URL, odd characters).
+    """
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise ManifestError(f"invalid object key {key!r}", key=key)
+    for segment in key.split("/"):
+        if segment in ("", ".", "..") or not _SEGMENT.match(segment):
+            raise ManifestError(
+                f"unsafe object key {key!r}: keys are relative paths of [A-Za-z0-9._=+@,-] segments",
+                key=key,
+            )
+    return key
+
+
+def _version_stem(prefix: str, version: int, rank: int | None, suffix: str | None) -> str:
+    suffix = uuid.uuid4().hex[:SUFFIX_HEX] if suffix is None else suffix
+    shard = "" if rank is None else f"-r{rank:05d}"
+    return f"{prefix}{version:010d}-{suffix}{shard}"
+
+
+def delta_key(version: int, *, rank: int | None = None, suffix: str | None = None) -> str:
+    """The key of a new delta object of ``version``.
+
+    Args:
+        version (`int`): the version the delta leads to.
+        rank (`int`, *optional*): the uploading rank of a sharded trainer.
+        suffix (`str`, *optional*, defaults to 8 random hex digits): what makes the key unique.
+
+    Returns:
+        `str`: e.g. ``"deltas/0000000007-1a2b3c4d.safetensors"``.
+    """
+    return _version_stem(DELTAS, version, rank, suffix) + OBJECT_SUFFIX
+
+
+def anchor_prefix(version: int, *, rank: int | None = None, suffix: str | None = None) -> str:
+    """The common stem of the parts of a new anchor of ``version`` (see :func:`anchor_part_key`).
+
+    Args:
+        version (`int`): the version the anchor holds.
+        rank (`int`, *optional*): the uploading rank of a sharded trainer.
+        suffix (`str`, *optional*, defaults to 8 random hex digits): what makes the keys unique.
+
+    Returns:
+        `str`: e.g. ``"anchors/0000000007-1a2b3c4d"``.
+    """
+    return _version_stem(ANCHORS, version, rank, suffix)
+
+
+def anchor_part_key(prefix: str, part: int) -> str:
+    """The key of part ``part`` of the anchor whose stem is ``prefix`` (from :func:`anchor_prefix`).
+
+    Returns:
+        `str`: e.g. ``"anchors/0000000007-1a2b3c4d-part0000.safetensors"``.
+    """
+    return f"{prefix}-part{part:04d}{OBJECT_SUFFIX}"
+
+
+def ack_key(replica_id: str) -> str:
+    """The key a replica writes its ack to, e.g. ``"acks/replica-1.json"``."""
+    return f"{ACKS}{replica_id}.json"
