@@ -314,6 +314,23 @@ class TestSpecialFiles:
         assert isinstance(outcome[0], StoreError)
 
 
+    @pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+    def test_inspect_refuses_special_files(self, tmp_path: Path, special: str, capsys: Any) -> None:
+        from deltasync.cli import main
+
+        path = tmp_path / "x.safetensors"
+        if special == "fifo":
+            os.mkfifo(path)
+        else:
+            path = Path(special)
+        done: list[int] = []
+        thread = threading.Thread(target=lambda: done.append(main(["inspect", str(path)])), daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert done == [2], "inspect blocked or read forever"
+        assert "not a regular file" in capsys.readouterr().err
+
+
 @contextlib.contextmanager
 def small_filesystem(path: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of ``size`` mounted at ``path`` (root only)."""

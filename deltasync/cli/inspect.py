@@ -7,9 +7,12 @@ is read through the S3 backend). ``--json`` prints :func:`describe`'s dictionary
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from ..errors import StoreError
 from ..format import Header, raw_header, read_header
 from .common import Column, print_json, print_table
 
@@ -18,13 +21,22 @@ __all__ = ["describe"]
 
 def _read(target: str) -> bytes:
     if "://" not in target or target.startswith("file://"):
-        return Path(target.removeprefix("file://")).read_bytes()
+        return _read_local(Path(target.removeprefix("file://")))
     from ..stores import open_store
 
     # The key is the last path component; everything before it is the store root.
     root, _, key = target.rpartition("/")
     with open_store(root) as store:
         return store.get(key)
+
+
+def _read_local(path: Path) -> bytes:
+    """A local file's bytes; a FIFO or device is refused instead of blocking or reading forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise StoreError(f"{path} is not a regular file (a FIFO, device or directory); refused", key=str(path))
+        return f.read()
 
 
 def _part_sizes(data: bytes) -> dict[str, int]:
