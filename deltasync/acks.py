@@ -15,9 +15,9 @@ from typing import Any
 
 from .errors import DeltaSyncError
 from .keys import ACKS, ack_key
-from .stores import Store
+from .stores import ObjectInfo, Store
 
-__all__ = ["ACK_TTL_S", "MAX_ACK_BYTES", "safe_replica_id", "read_acks", "write_ack"]
+__all__ = ["ACK_TTL_S", "MAX_ACK_BYTES", "safe_replica_id", "read_acks", "write_ack", "stale_acks"]
 
 logger = logging.getLogger("deltasync.subscriber")
 
@@ -50,3 +50,17 @@ def read_acks(store: Store) -> list[dict[str, Any]]:
         except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
             continue
     return acks
+
+
+def stale_acks(store: Store, run_id: str, *, now: float, ttl: float = ACK_TTL_S) -> list[ObjectInfo]:
+    """Acks ``deltasync gc`` deletes: of another run, unreadable, or not rewritten for ``ttl`` seconds."""
+    stale = []
+    for info in store.list(ACKS):
+        try:
+            ack = json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES))
+            written, current = float(ack.get("time", 0.0)), ack.get("run_id") == run_id
+        except (DeltaSyncError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
+            written, current = 0.0, False
+        if not current or not now - written < ttl:  # a NaN time is stale too
+            stale.append(info)
+    return stale

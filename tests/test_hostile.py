@@ -82,6 +82,12 @@ def run(tmp_path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor], Publishe
         yield url, weights, publisher
 
 
+def open_store_of(url: str) -> Any:
+    from deltasync.stores import open_store
+
+    return open_store(url)
+
+
 def edit_manifest(url: str, edit: Any) -> bytes:
     """Rewrite the stored manifest with ``edit(raw_dict)``; returns the original bytes."""
     path = Path(url, MANIFEST_KEY)
@@ -313,6 +319,18 @@ class TestSpecialFiles:
         assert not thread.is_alive(), "update() blocked on a FIFO"
         assert isinstance(outcome[0], StoreError)
 
+
+    def test_oversized_ack_is_never_read_whole_and_gc_removes_it(self, run: Any, capsys: Any) -> None:
+        from deltasync.acks import MAX_ACK_BYTES, read_acks
+        from deltasync.cli import main
+
+        url, _, _ = run
+        Path(url, "acks").mkdir(exist_ok=True)
+        Path(url, "acks", "huge.json").write_bytes(b'{"replica": "huge", "pad": "' + b"x" * (4 * MAX_ACK_BYTES) + b'"}')
+        assert read_acks(open_store_of(url)) == []  # skipped: larger than any ack
+        assert main(["gc", url, "--grace", "0"]) == 0
+        assert "acks/huge.json" in capsys.readouterr().out
+        assert not Path(url, "acks", "huge.json").exists()
 
     @pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
     def test_inspect_refuses_special_files(self, tmp_path: Path, special: str, capsys: Any) -> None:

@@ -14,18 +14,12 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..acks import ACK_TTL_S, stale_acks
 from ..commit import ORPHAN_GRACE_S, find_orphans, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
-from ..keys import ACKS, MANIFEST_KEY
+from ..keys import MANIFEST_KEY
 from ..manifest import RETIRE_GRACE_S, Manifest
-from ..subscriber import ACK_TTL_S
-from .common import (
-    format_duration as _duration,
-    format_size as _size,
-    load_manifest as _load_manifest,
-    open_existing as _open,
-    safe_url,
-)
+from .common import format_duration, format_size, load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -50,7 +44,7 @@ def _gc_retired(
     if plan.blocked == "lease":
         return [], (
             f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
-            f"{_duration(manifest.lease_until - now)} and deletes them itself: manifest left alone"
+            f"{format_duration(manifest.lease_until - now)} and deletes them itself: manifest left alone"
         )
     removed = [(key, _object_size(store, key)) for key in due]
     if dry_run:
@@ -84,22 +78,11 @@ def _gc_orphans(
 
 def _gc_acks(store: Store, manifest: Manifest, *, now: float, ttl: float, dry_run: bool) -> list[tuple[str, int | None]]:
     """Acks of other runs, unreadable acks, and acks not rewritten for ``ttl`` seconds."""
-    import json
-
-    stale = []
-    for info in store.list(ACKS):
-        try:
-            ack = json.loads(store.get(info.key))
-            written = float(ack.get("time", 0.0))
-            run_id = ack.get("run_id")
-        except (ObjectNotFound, ValueError, TypeError, AttributeError, RecursionError):
-            ack, written, run_id = None, 0.0, None
-        if ack is None or run_id != manifest.run_id or now - written >= ttl:
-            stale.append((info.key, info.size))
+    stale = stale_acks(store, manifest.run_id, now=now, ttl=ttl)
     if not dry_run:
-        for key, _ in stale:
-            store.delete(key)
-    return stale
+        for info in stale:
+            store.delete(info.key)
+    return [(info.key, info.size) for info in stale]
 
 
 def add_parser(sub: Any) -> None:
@@ -120,8 +103,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Delete (or with ``--dry-run`` list) what is due, and report what was freed."""
-    with _open(args.url) as store:
-        manifest, etag = _load_manifest(store)
+    with open_existing(args.url) as store:
+        manifest, etag = load_manifest(store)
         now = time.time()
         retire_grace = RETIRE_GRACE_S if args.grace is None else args.grace
         asked = ORPHAN_GRACE_S if args.grace is None else args.grace
@@ -136,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"gc {safe_url(store.url)}{' (dry run)' if args.dry_run else ''}")
     for label, removed in (("retired", retired), ("orphan", orphans), ("ack", acks)):
         for key, size in removed:
-            print(f"  {verb} {label:<8} {key}  {_size(size)}")
+            print(f"  {verb} {label:<8} {key}  {format_size(size)}")
     for line in ([note] if note else []) + notes:
         print(f"  note: {line}")
     total = sum(size or 0 for _, size in retired + orphans + acks)
     count = len(retired) + len(orphans) + len(acks)
-    print(f"{'would free' if args.dry_run else 'freed'} {_size(total)} ({total:,} bytes) in {count} objects")
+    print(f"{'would free' if args.dry_run else 'freed'} {format_size(total)} ({total:,} bytes) in {count} objects")
     return 0
