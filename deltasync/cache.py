@@ -155,7 +155,7 @@ class CachedStore(DelegatingStore):
         self.stats = CacheStats()
         self._refs: dict[str, ObjectRef] = {}
         self._current: dict[str, ObjectRef] = {}
-        self._verified: set[tuple[int, int, int]] = set()  # (device, inode, size) of files this process hashed
+        self._verified: set[tuple[int, ...]] = set()  # identities (_identity) of files this process hashed
         self._lock = threading.Lock()
         self._linkless = False
         self._full = False  # the last fill found the cache's disk full (warned once)
@@ -192,7 +192,7 @@ class CachedStore(DelegatingStore):
                 # Served only from a file this process verified (same inode): no other file is trusted.
                 with open(os.open(self._path(ref.key), _READ_FLAGS), "rb") as f:
                     st = os.fstat(f.fileno())
-                    if st.st_size == ref.size and (st.st_dev, st.st_ino, st.st_size) in self._verified:
+                    if st.st_size == ref.size and _identity(st) in self._verified:
                         f.seek(start)
                         self._count("hits")
                         return f.read(max(0, min(end, ref.size) - start))
@@ -255,9 +255,12 @@ class CachedStore(DelegatingStore):
         except StoreError as exc:  # not a regular file (a symlink, a FIFO), or unreadable
             logger.warning("cannot read cached %s (%s); reading the store", ref.key, exc)
             return None
-        self._verified.add((st.st_dev, st.st_ino, st.st_size))
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: eviction takes the oldest mtime first
+            touched = os.stat(path, follow_symlinks=False)
+            if touched.st_ino == st.st_ino and touched.st_dev == st.st_dev:
+                st = touched  # the same file, now with the times the touch gave it
+        self._verified.add(_identity(st))
         return data
 
     def _fill(self, ref: ObjectRef, max_bytes: int | None = None) -> bytes:
@@ -302,7 +305,7 @@ class CachedStore(DelegatingStore):
             self._not_cached(ref.key, exc)
             return data
         self._full = False
-        self._verified.add((st.st_dev, st.st_ino, st.st_size))
+        self._verified.add(_identity(st))
         self._count("fills")
         self.evict(keep=ref.key)
         return data
@@ -426,3 +429,12 @@ def _verify(ref: ObjectRef, data: bytes, *, where: str) -> None:
             f"({ref.size} bytes, sha256 {ref.sha256[:12]}...)",
             key=ref.key,
         )
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """Which file this is, as far as trusting a hash of it goes.
+
+    Device and inode alone are not enough: a file deleted and rewritten (a refill, or
+    damage) often gets the freed inode number back. Its change time cannot match.
+    """
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

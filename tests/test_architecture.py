@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "deltasync.errors": 0,
     "deltasync.jsonio": 0,
     "deltasync.keys": 0,
+    "deltasync.stopping": 0,
     "deltasync.tensors": 1,
     "deltasync.stores": 2,
     "deltasync.diff": 2,

@@ -219,10 +219,14 @@ class TestWatch:
             [sys.executable, "-m", "deltasync.cli", "watch", url, "--model", str(ckpt), "--interval", "0.1",
              "--replica-id", "follower"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a hang is diagnosed, not just timed out
         )
         lines: Queue[str] = Queue()
+        errors: list[str] = []  # drained as it comes: a full stderr pipe would block the watcher
         reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
         reader.start()
+        drain = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+        drain.start()
 
         def wait_for(text: str) -> None:
             deadline = time.monotonic() + 60
@@ -233,18 +237,26 @@ class TestWatch:
                 except Empty:
                     continue
             proc.kill()
-            raise AssertionError(f"watch never printed {text!r}: {proc.stderr.read()}")  # type: ignore[union-attr]
+            drain.join(timeout=10)
+            raise AssertionError(f"watch never printed {text!r}: {''.join(errors)}")
 
         try:
             wait_for("watching")
             publish_steps(publisher, model, gen, range(2, 4))
             wait_for("v3 (step 3)")
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+                proc.wait(timeout=10)
+                drain.join(timeout=10)
+                raise AssertionError(f"watch did not stop on SIGINT: {''.join(errors)}") from None
         finally:
             proc.kill()
         reader.join(timeout=10)
-        out, err = "".join(lines.queue), proc.stderr.read()  # type: ignore[union-attr]
+        drain.join(timeout=10)
+        out, err = "".join(lines.queue), "".join(errors)
         assert proc.returncode == 0, err
         assert "stopped at v3" in out and "Traceback" not in err
         assert_bit_exact(ckpt, model)

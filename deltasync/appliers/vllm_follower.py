@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -69,6 +70,7 @@ import torch
 from ..codec import Decoded
 from ..errors import ConfigError, DeltaSyncError, TensorMismatch
 from ..format import Header
+from ..stopping import run_until_signal
 from ..stores import Store, open_store
 from ..tensors import TensorSpec, dtype_name, fingerprint
 from .apply import check_header
@@ -406,10 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.once:
             sub.update()
         else:
-            try:
-                sub.run()
-            except KeyboardInterrupt:
-                pass
+            run_until_signal(sub.run, threading.Event())
     return 0
 
 

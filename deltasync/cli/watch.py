@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ObjectNotFound, VersionError
+from ..stopping import run_until_signal
 from .common import load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:
@@ -113,32 +113,7 @@ def _print_update(info: UpdateInfo) -> None:
 
 def _follow(sub: Subscriber, stop: threading.Event) -> None:
     """Follow until Ctrl-C or SIGTERM; an update in progress finishes first, a crash is re-raised."""
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if in_main else None
-    failures: list[BaseException] = []
-
-    def follow() -> None:
-        try:
-            sub.run(stop)  # bad input is counted and logged inside; anything else ends the watch
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            failures.append(exc)
-        finally:
-            stop.set()
-
-    thread = threading.Thread(target=follow, name="deltasync-watch", daemon=True)
-    thread.start()
-    try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        stop.set()
-    finally:
-        stop.set()
-        thread.join()
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-    if failures:
-        raise failures[0]
+    run_until_signal(sub.run, stop)  # bad input is counted and logged inside sub.run
 
 
 def _anchor_published(url: str) -> bool:
