@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import DeltaSyncError
@@ -43,24 +44,27 @@ def write_ack(store: Store, replica_id: str, body: dict[str, Any]) -> None:
 
 def read_acks(store: Store) -> list[dict[str, Any]]:
     """Every replica's latest ack (unreadable acks are skipped)."""
-    acks = []
-    for info in store.list(ACKS):
-        try:
-            acks.append(json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES)))
-        except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
-            continue
-    return acks
+    return [ack for _, ack in _acks(store) if ack is not None]
 
 
 def stale_acks(store: Store, run_id: str, *, now: float, ttl: float = ACK_TTL_S) -> list[ObjectInfo]:
     """Acks ``deltasync gc`` deletes: of another run, unreadable, or not rewritten for ``ttl`` seconds."""
     stale = []
-    for info in store.list(ACKS):
+    for info, ack in _acks(store):
         try:
-            ack = json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES))
-            written, current = float(ack.get("time", 0.0)), ack.get("run_id") == run_id
-        except (DeltaSyncError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
+            written = float(ack.get("time", 0.0)) if ack is not None else 0.0
+            current = ack is not None and ack.get("run_id") == run_id
+        except (AttributeError, TypeError, ValueError, OverflowError):  # not an object, or a time that is no number
             written, current = 0.0, False
         if not current or not now - written < ttl:  # a NaN time is stale too
             stale.append(info)
     return stale
+
+
+def _acks(store: Store) -> Iterator[tuple[ObjectInfo, Any]]:
+    """Every ack object with its parsed JSON (``None`` when unreadable), each read bounded."""
+    for info in store.list(ACKS):
+        try:
+            yield info, json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES))
+        except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
+            yield info, None

@@ -7,13 +7,13 @@ names the argument to fix.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from .codec import codec_names
 from .errors import ConfigError
+from .options import check_int, check_number
 from .tensors import dtype_name
 
 __all__ = ["ANCHOR_EVERY", "ANCHOR_RATIO", "KEEP_ANCHORS", "PART_BYTES", "LEASE_S", "check_options"]
@@ -42,21 +42,12 @@ def check_options(
         raise ConfigError(f"unknown codec {codec!r}; choose one of {sparse}", argument="codec")
     if dtype is not None:
         dtype_name(dtype)  # bf16, fp16 or fp32
-    integers = {
-        "level": (level, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL), "anchor_every": (anchor_every, 1, None),
-        "keep_anchors": (keep_anchors, 1, None), "part_bytes": (part_bytes, 1, None), "chunk": (chunk, 1, None),
-    }
-    for name, (value, low, high) in integers.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            span = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(f"{name} must be an integer {span}, got {value!r}", argument=name)
-    reals = {
-        "anchor_ratio": (anchor_ratio, False), "lease_s": (lease_s, False), "retire_grace_s": (retire_grace_s, True),
-    }
-    for name, (value, zero_ok) in reals.items():
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value < 0 or (value == 0 and not zero_ok):
-            bound = ">= 0" if zero_ok else "> 0"
-            raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}", argument=name)
+    check_int("level", level, low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
+    for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors),
+                        ("part_bytes", part_bytes), ("chunk", chunk)):
+        check_int(name, value, low=1)
+    check_number("anchor_ratio", anchor_ratio)
+    check_number("lease_s", lease_s)
+    check_number("retire_grace_s", retire_grace_s, zero_ok=True)
     if on_publish is not None and not callable(on_publish):
         raise ConfigError(f"on_publish must be callable, got {type(on_publish).__name__}", argument="on_publish")

@@ -26,7 +26,6 @@ route's objects, :mod:`deltasync.acks` reads and writes acknowledgements.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
@@ -42,6 +41,7 @@ from .errors import ConfigError, DeltaSyncError, FingerprintMismatch, ObjectNotF
 from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher
 from .keys import MANIFEST_KEY
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
+from .options import check_int, check_number
 from .stores import Store, open_store
 
 __all__ = ["Subscriber", "UpdateInfo", "Applier", "read_acks", "ACK_TTL_S", "BAD_AFTER", "BAD_RETRY_S"]
@@ -384,16 +384,14 @@ def _check_options(
             "TorchModuleApplier(model)",
             argument="applier",
         )
-    for name, value in (("poll_interval", poll_interval), ("max_poll_interval", max_poll_interval)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}", argument=name)
+    check_number("poll_interval", poll_interval)
+    check_number("max_poll_interval", max_poll_interval)
     if max_poll_interval < poll_interval:
         raise ConfigError(
             f"max_poll_interval ({max_poll_interval}) must be at least poll_interval ({poll_interval})",
             argument="max_poll_interval",
         )
-    if isinstance(fetch_workers, bool) or not isinstance(fetch_workers, int) or fetch_workers < 1:
-        raise ConfigError(f"fetch_workers must be a positive integer, got {fetch_workers!r}", argument="fetch_workers")
+    check_int("fetch_workers", fetch_workers, low=1)
     if on_update is not None and not callable(on_update):
         raise ConfigError("on_update must be callable", argument="on_update")
     if (start_version is None) != (run_id is None) or (

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "deltasync.jsonio": 0,
     "deltasync.keys": 0,
     "deltasync.stopping": 0,
+    "deltasync.options": 0,
     "deltasync.tensors": 1,
     "deltasync.stores": 2,
     "deltasync.diff": 2,

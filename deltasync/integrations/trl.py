@@ -63,7 +63,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import threading
 import time
 import urllib.error
@@ -73,6 +72,7 @@ from typing import Any, Literal, NoReturn
 
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..manifest import MANIFEST_KEY, Manifest
+from ..options import check_int, check_number
 from ..publisher import Publisher, PublishInfo
 from ..stores import Store
 from ..subscriber import read_acks
@@ -127,8 +127,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         wait_timeout: float = WAIT_TIMEOUT_S,
         **publisher_options: Any,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every must be an integer >= 1, not {every!r}", argument="every")
+        check_int("every", every, low=1)
         if sync not in ("async", "on_policy"):
             raise ConfigError(f"sync must be 'async' or 'on_policy', not {sync!r}", argument="sync")
         if max_staleness is not None and (sync == "on_policy" or not isinstance(max_staleness, int) or max_staleness < 0):
@@ -137,8 +136,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             )
         if isinstance(replicas, (str, bool)) or (isinstance(replicas, int) and replicas < 1):
             raise ConfigError("replicas is a positive count or a list of replica ids", argument="replicas")
-        if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)) or not 0 < wait_timeout < math.inf:
-            raise ConfigError(f"wait_timeout must be a positive number of seconds, not {wait_timeout!r}", argument="wait_timeout")
+        check_number("wait_timeout", wait_timeout)
         self.store, self.every, self.sync_mode = store, every, sync
         self.max_staleness, self.wait_timeout = max_staleness, wait_timeout
         self.replicas = None if replicas is None or isinstance(replicas, int) else list(replicas)
