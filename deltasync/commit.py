@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed, StoreError
 from .keys import MANIFEST_KEY, VERSION_PREFIXES
 from .manifest import (
+    MAX_MANIFEST_BYTES,
     Manifest,
     ObjectRef,
     VersionEntry,
@@ -115,7 +116,7 @@ class ManifestWriter:
             writer's lease is live and ``takeover`` is off. `StoreError`: the read failed.
         """
         try:
-            got = self.store.get_if_changed(MANIFEST_KEY, None)
+            got = self.store.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             got = None
         now = time.time()
@@ -265,7 +266,7 @@ class ManifestWriter:
         makes every replica exact whatever it applied.
         """
         try:
-            got = self.store.get_if_changed(MANIFEST_KEY, None)
+            got = self.store.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
         except DeltaSyncError:
             self.resync = True
             return None
@@ -276,7 +277,7 @@ class ManifestWriter:
 
     def _merge_foreign_edit(self, ours: Manifest) -> Manifest:
         try:
-            data, info = self.store.get_if_changed(MANIFEST_KEY, None) or (b"", None)
+            data, info = self.store.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES) or (b"", None)
             theirs = Manifest.from_bytes(data)
         except ObjectNotFound:
             theirs = None
@@ -307,7 +308,7 @@ class ManifestWriter:
         the earlier writer sees it and stops).
         """
         try:
-            current = Manifest.from_bytes(self.store.get(MANIFEST_KEY))
+            current = Manifest.from_bytes(self.store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES))
         except ObjectNotFound:
             return
         if current.writer != self.writer and (after_write or self.etag is not None):

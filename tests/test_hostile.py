@@ -332,6 +332,26 @@ class TestSpecialFiles:
         assert "acks/huge.json" in capsys.readouterr().out
         assert not Path(url, "acks", "huge.json").exists()
 
+    def test_oversized_manifest_is_refused_by_trainer_replica_and_cli(self, tmp_path: Path, capsys: Any) -> None:
+        from deltasync.cli import main
+        from deltasync.errors import IntegrityError
+        from deltasync.manifest import MAX_MANIFEST_BYTES
+
+        url = tmp_path / "store"
+        url.mkdir()
+        with open(url / MANIFEST_KEY, "wb") as f:
+            f.truncate(MAX_MANIFEST_BYTES + 1)  # sparse: no disk used, but larger than any manifest
+        with pytest.raises(IntegrityError):
+            Subscriber(str(url), TorchModuleApplier(replica_weights()), ack=False).update()
+        publisher = Publisher(trainer_weights(), str(url))
+        with pytest.raises(IntegrityError):
+            publisher.publish(0)  # the first publish opens the prefix
+            publisher.flush()
+        with contextlib.suppress(DeltaSyncError):
+            publisher.close()
+        assert main(["status", str(url)]) == 2
+        assert "IntegrityError" in capsys.readouterr().err
+
     @pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
     def test_inspect_refuses_special_files(self, tmp_path: Path, special: str, capsys: Any) -> None:
         from deltasync.cli import main

@@ -50,7 +50,7 @@ import torch
 from ..codec import Decoded
 from ..errors import DeltaFormatError, FingerprintMismatch, VersionError
 from ..format import MAX_HEADER_BYTES, Header, read_header
-from ..manifest import MANIFEST_KEY, Manifest
+from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..tensors import TensorSpec, fingerprint
 from .apply import check_header
 from .checkpoint_files import (
@@ -249,7 +249,7 @@ def initialise_checkpoint(
         if has_checkpoint(target):
             raise FileExistsError(f"{target} already holds a checkpoint; follow it instead of initialising it")
         with open_store(store) as opened:
-            specs = anchor_layout(opened, Manifest.from_bytes(opened.get(MANIFEST_KEY)))
+            specs = anchor_layout(opened, Manifest.from_bytes(opened.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES)))
         staging = target / ".deltasync-init"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)

@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import ObjectNotFound, StoreError
 from ..keys import MANIFEST_KEY
-from ..manifest import Manifest
+from ..manifest import MAX_MANIFEST_BYTES, Manifest
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -71,7 +71,7 @@ def load_manifest(store: Store) -> tuple[Manifest, str | None]:
         `ObjectNotFound`: nothing has been published at the store (the message says to check the URL).
     """
     try:
-        got = store.get_if_changed(MANIFEST_KEY, None)
+        got = store.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise _no_manifest(store.url) from None
     assert got is not None  # no etag given, so the object is always returned

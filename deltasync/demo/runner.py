@@ -246,12 +246,12 @@ def _check_prefix(url: str) -> None:
     """Fail before loading anything when another trainer's lease holds the prefix (the publisher would refuse it)."""
     from ..errors import ConflictError, ObjectNotFound
     from ..keys import MANIFEST_KEY
-    from ..manifest import Manifest
+    from ..manifest import MAX_MANIFEST_BYTES, Manifest
     from ..stores import open_store
 
     with open_store(url) as store:
         try:
-            manifest = Manifest.from_bytes(store.get(MANIFEST_KEY))
+            manifest = Manifest.from_bytes(store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES))
         except ObjectNotFound:
             return
     if manifest.lease_until > time.time():

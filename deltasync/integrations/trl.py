@@ -71,7 +71,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
-from ..manifest import MANIFEST_KEY, Manifest
+from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
 from ..publisher import Publisher, PublishInfo
 from ..stores import Store
@@ -386,7 +386,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
     def _current_run_id(self) -> str | None:
         if self._run_id is None and self.publisher is not None:
             try:
-                self._run_id = Manifest.from_bytes(self.publisher.store.get(MANIFEST_KEY)).run_id
+                self._run_id = Manifest.from_bytes(self.publisher.store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES)).run_id
             except DeltaSyncError:
                 return None
         return self._run_id
