@@ -84,9 +84,6 @@ _MUTABLE_PREFIXES = (ACKS,)  # replicas rewrite these; never cached even if a ma
 TMP_MAX_AGE_S = 3600.0  # temporary files of a filler that died mid-write are removed after this long
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk (or quota): serve uncached, warn once
 
-# Cache files are opened as LocalStore opens objects: never through a symlink, and a FIFO cannot block the open.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
 
 @dataclass(slots=True)
 class CacheStats:
@@ -190,8 +187,8 @@ class CachedStore(DelegatingStore):
         if ref is not None:
             with contextlib.suppress(OSError):  # missing or refused: read the store
                 # Served only from a file this process verified (same inode): no other file is trusted.
-                with open(os.open(self._path(ref.key), _READ_FLAGS), "rb") as f:
-                    st = os.fstat(f.fileno())
+                fd, st = self._objects.open_regular(ref.key)  # never through a symlink; a FIFO cannot block
+                with open(fd, "rb") as f:
                     if st.st_size == ref.size and _identity(st) in self._verified:
                         f.seek(start)
                         self._count("hits")

@@ -92,12 +92,12 @@ class LocalStore(Store):
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_limit(max_bytes)
         with self._errors("reading", key):
-            fd, st = self._open(key)
+            fd, st = self.open_regular(key)
             return self._read(key, fd, st, max_bytes)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         with self._errors("reading", key):
-            fd, _ = self._open(key)
+            fd, _ = self.open_regular(key)
             with os.fdopen(fd, "rb") as f:
                 f.seek(start)
                 return f.read(max(0, end - start))
@@ -108,7 +108,7 @@ class LocalStore(Store):
         """Read ``key`` unless its etag still equals ``etag``; etag and bytes come from one open file."""
         check_limit(max_bytes)
         with self._errors("reading", key):
-            fd, st = self._open(key)
+            fd, st = self.open_regular(key)
             info = _info(key, st)
             if etag is not None and info.etag == etag:
                 os.close(fd)
@@ -245,7 +245,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def _open(self, key: str) -> tuple[int, os.stat_result]:
+    def open_regular(self, key: str) -> tuple[int, os.stat_result]:
         """A read-only descriptor of the regular file at ``key``, and its ``fstat``.
 
         Raises:
@@ -278,7 +278,7 @@ class LocalStore(Store):
         """:meth:`get` that also returns the file's ``fstat`` (for callers that track inodes)."""
         check_limit(max_bytes)
         with self._errors("reading", key):
-            fd, st = self._open(key)
+            fd, st = self.open_regular(key)
             return self._read(key, fd, st, max_bytes), st
 
     def _not_there(self, key: str, dfd: int, name: str, exc: OSError, *, on_path: bool) -> OSError:
