@@ -20,6 +20,7 @@ __all__ = [
     "CodecError",
     "FingerprintMismatch",
     "TensorMismatch",
+    "LayoutMismatch",
     "VersionError",
     "IntegrityError",
     "ManifestError",
@@ -75,6 +76,16 @@ class FingerprintMismatch(DeltaSyncError, ValueError):
 
 class TensorMismatch(DeltaSyncError, ValueError):
     """A tensor named by a delta is missing, or has another shape or dtype, on the receiver."""
+
+
+class LayoutMismatch(TensorMismatch):
+    """An engine keeps a parameter in a layout its index map does not describe, so it cannot be patched exactly.
+
+    Raised when a replica's map does not prove against the weights the engine
+    loaded (a kernel's packing, padding or quantization the map does not know),
+    and when patches read back differently right after they were written.
+    ``name`` is the runtime parameter.
+    """
 
 
 class VersionError(DeltaSyncError, ValueError):

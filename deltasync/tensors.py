@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checkpoint_names import checkpoint_views
 from .errors import ConfigError, DeltaFormatError
 
 __all__ = [
@@ -189,13 +190,17 @@ def published_tensors(
     """Yield ``(name, tensor)`` for every tensor to publish, each storage once.
 
     A module yields its parameters; tied parameters (one ``Parameter`` under two
-    names, such as tied embeddings) appear once, under their first name. A
+    names, such as tied embeddings) appear once, under their first name; a
+    transformers model whose checkpoints lay weights out otherwise (fused MoE
+    experts) yields zero-copy views in its checkpoint's names
+    (:mod:`deltasync.checkpoint_names`). A
     mapping yields its items, skipping later names that alias an earlier
     tensor's storage.
     """
     if isinstance(source, torch.nn.Module):
+        views = checkpoint_views(source)  # transformers' fused layouts, in their checkpoint names
         # named_parameters() already removes duplicates of the same Parameter.
-        yield from source.named_parameters()
+        yield from views if views is not None else source.named_parameters()
         return
     seen: set[tuple[int, int]] = set()
     for name, tensor in source.items():

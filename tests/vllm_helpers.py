@@ -112,8 +112,10 @@ class Trainer:
         return float(out.loss)
 
     def bf16(self) -> dict[str, torch.Tensor]:
-        """The published weights: every parameter cast to bf16 (tied ones once)."""
-        return {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+        """The published weights in their checkpoint names, cast to bf16 (tied ones once; experts per expert)."""
+        from deltasync.tensors import published_tensors
+
+        return {n: p.detach().to(torch.bfloat16) for n, p in published_tensors(self.model)}
 
     def bf16_model(self) -> torch.nn.Module:
         """A bf16 copy of the model (for reference generations)."""
@@ -156,6 +158,58 @@ def tiny_qwen3(target: Path, tokenizer_dir: Path) -> Path:
     tokenizer.save_pretrained(target)
     (target / ".complete").touch()
     return target
+
+
+def tiny_qwen3_moe(target: Path, tokenizer_dir: Path) -> Path:
+    """A random 2-layer Qwen3-MoE (hidden 128, 8 experts, top-2, expert width 48: vLLM pads it to 64).
+
+    head_dim 32 (the CPU attention needs >= 32); saved as bf16 safetensors with per-expert names.
+    """
+    import transformers
+
+    if (target / ".complete").exists():
+        return target
+    torch.manual_seed(0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    (target / ".complete").touch()
+    return target
+
+
+def runtime_digests(worker: Any) -> dict[str, str]:
+    """SHA-256 of every runtime parameter's bytes in a vLLM worker (packed layouts as the kernels read them).
+
+    Run through ``collective_rpc`` (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+    """
+    import hashlib
+
+    from deltasync.appliers.cpu_hooks import plain_weights
+    from deltasync.appliers.vllm_mapping import runtime_params
+
+    model = worker.get_model()
+    return {
+        name: hashlib.sha256(p.data.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, p in runtime_params(model, plain_weights(model)).items()
+    }
 
 
 def save_checkpoint(weights: dict[str, torch.Tensor], source_dir: Path, target: Path) -> Path:

@@ -12,8 +12,9 @@ Two phases, for every applier:
    touched are returned so a transport can refresh copies it keeps elsewhere
    (re-packed CPU kernels).
 
-:func:`apply_checked` runs the phases in that order; :func:`read_bits` is the
-read side (current bit patterns, for the base values deltas decode against).
+A transport runs the phases in that order (the vLLM worker then reads the
+patches back: :mod:`.verify`); :func:`read_bits` is the read side (current bit
+patterns, for the base values deltas decode against).
 The torch module and checkpoint directory appliers use :func:`check_header`
 and write through their own storage.
 
@@ -29,7 +30,7 @@ Limitations:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +44,8 @@ from .mapping import IndexMap, Target
 __all__ = [
     "check_header",
     "Patch",
-    "Applied",
     "plan_patches",
     "write_patches",
-    "apply_checked",
     "read_bits",
     "checked_indices",
     "bits_numpy_dtype",
@@ -90,16 +89,6 @@ class Patch:
     """Checkpoint flat indices (int64, in range); ``None``: every element in order."""
     values: torch.Tensor
     """Bit patterns of the published dtype (int16 / int32), one per index."""
-
-
-@dataclass(frozen=True, slots=True)
-class Applied:
-    """What :func:`apply_checked` did."""
-
-    written: int
-    """Runtime elements written (a replicated element counts once per copy)."""
-    refreshed: int
-    """What the ``refresh`` callback reported (re-packed layers), 0 without one."""
 
 
 def bits_numpy_dtype(spec: TensorSpec) -> np.dtype:
@@ -163,20 +152,6 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
             written += _write(target, patch.spec, patch.indices, patch.values)
             touched[id(target.param)] = target.param
     return written, list(touched.values())
-
-
-def apply_checked(
-    index: IndexMap, payload: Payload, *, refresh: Callable[[list[torch.nn.Parameter]], int] | None = None
-) -> Applied:
-    """Check every entry of ``payload``, then write them all, then ``refresh`` the touched parameters.
-
-    Nothing is written unless every entry passes :func:`plan_patches`.
-    """
-    patches = plan_patches(index, payload)
-    with torch.no_grad():
-        written, touched = write_patches(index, patches)
-        refreshed = refresh(touched) if refresh is not None else 0
-    return Applied(written, refreshed)
 
 
 def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: torch.Tensor) -> int:

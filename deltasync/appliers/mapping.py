@@ -5,9 +5,13 @@ where its elements live on this rank. A target covers part of one checkpoint
 tensor inside one runtime parameter, in one of three forms:
 
 - a *flat range* (a box of whole rows moved by one shift: fused stacking,
-  row and vocab shards): checkpoint flat ``[a, b)`` -> runtime flat ``+ shift``;
+  row and vocab shards, one expert's rows inside a stacked expert tensor):
+  checkpoint flat ``[a, b)`` -> runtime flat ``+ shift``;
 - a *box*: per dimension a checkpoint range ``[lo, hi)`` and a constant offset
-  (column shards, q/k/v or gate/up stacked along a later dimension);
+  (column shards, q/k/v or gate/up stacked along a later dimension); a runtime
+  parameter with more dimensions than the checkpoint tensor holds it at fixed
+  leading coordinates (one expert of ``w2_weight [E, H, I]``), a constant
+  ``base`` added to every runtime flat index;
 - an explicit *table*: sorted checkpoint flat indices and their runtime flat
   indices, for anything else an engine's loaders do (logged when used).
 
@@ -28,11 +32,13 @@ writes only through it. Registered today:
   a wider float (written by exact up-cast). It claims every strided tensor and
   is asked last.
 
-Later layouts register here and are asked first, newest first: fused experts
-(one parameter stacking every expert's weights), a kernel's prepacked weights
-(patched where the kernel reads them, instead of the host copy that
-:mod:`.cpu_hooks` re-packs today), quantized block formats (values and scales
-rewritten per block).
+- ``vllm-cpu-packed-experts`` (:mod:`.cpu_experts`, registered when the vLLM
+  worker extension is imported): fused expert weights that vLLM's CPU MoE kernel
+  prepacked after loading, patched where the kernel reads them.
+
+Later layouts register here and are asked first, newest first (quantized block
+formats: values and scales rewritten per block). A layout that is wrong for a
+parameter is caught before the first write by :mod:`.verify`.
 
 Limitations:
 
@@ -59,6 +65,7 @@ __all__ = [
     "Layout",
     "PLAIN",
     "register_layout",
+    "unregister_layout",
     "layout_names",
     "layout_for",
     "Target",
@@ -126,6 +133,17 @@ def register_layout(layout: Layout) -> None:
     _LAYOUTS[layout.name] = layout
 
 
+def unregister_layout(name: str) -> Layout:
+    """Remove a registered layout (not ``plain``); maps built afterwards no longer use it.
+
+    Raises:
+        `ValueError`: no such layout, or ``"plain"``.
+    """
+    if name == PLAIN.name or name not in _LAYOUTS:
+        raise ValueError(f"cannot unregister layout {name!r}; registered: {layout_names()}")
+    return _LAYOUTS.pop(name)
+
+
 def layout_names() -> list[str]:
     """Names of every registered layout, in the order they are asked."""
     return list(reversed(_LAYOUTS))
@@ -163,6 +181,8 @@ class Target:
     """Box form: checkpoint coordinates [lo, hi) map to runtime coordinates + offset."""
     hi: tuple[int, ...] | None = None
     offset: tuple[int, ...] | None = None
+    base: int = 0
+    """Box form: runtime flat offset of the fixed leading coordinates (runtime has more dimensions)."""
     flat: tuple[int, int, int] | None = None
     """Box that is a flat range: checkpoint flat [a, b) -> runtime flat + shift."""
     table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -195,8 +215,9 @@ class Target:
         for c, lo, hi in zip(coords, self.lo, self.hi):
             mask &= (c >= lo) & (c < hi)
         pos = mask.nonzero().squeeze(1)
-        runtime = torch.zeros_like(pos)
-        for c, off, stride in zip(coords, self.offset, strides(tuple(self.param.shape))):
+        runtime = torch.full_like(pos, self.base)
+        trailing = strides(tuple(self.param.shape))[self.param.dim() - len(self.ckpt_shape) :]
+        for c, off, stride in zip(coords, self.offset, trailing):
             runtime += (c[pos] + off) * stride
         return pos, runtime
 
@@ -259,33 +280,37 @@ def _fit_box(
 ) -> Target | None:
     """One box target exactly equal to the pairs ``(c, r)``, or ``None``."""
     shape, rshape = spec.shape, tuple(param.shape)
-    if not c.numel() or len(shape) != len(rshape):
+    if not c.numel() or len(shape) > len(rshape):
         return None
     row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     first, last = int(c.min()), int(c.max())
     shift = r - c
-    # Fast exact check for whole rows moved by one shift (fused stacking, row and vocab shards).
+    # Fast exact check for whole rows moved by one shift (fused stacking, row and vocab shards,
+    # one expert's rows in a stacked expert tensor): a run of checkpoint elements, one shift.
     if (
         last - first + 1 == c.numel()
         and first % row == 0
         and c.numel() % row == 0
-        and shape[1:] == rshape[1:]
         and int(shift.min()) == int(shift.max())
     ):
-        delta = int(shift[0])
-        if delta % row == 0:
-            lo = (first // row,) + (0,) * (len(shape) - 1)
-            hi = ((last + 1) // row,) + tuple(shape[1:])
-            offset = (delta // row,) + (0,) * (len(shape) - 1)
-            return Target(param, name, shape, layout, lo=lo, hi=hi, offset=offset, flat=(first, last + 1, delta))
-    cc, rc = unravel(c, shape), unravel(r, rshape)
+        lo = (first // row,) + (0,) * (len(shape) - 1)
+        hi = ((last + 1) // row,) + tuple(shape[1:])
+        return Target(param, name, shape, layout, lo=lo, hi=hi, flat=(first, last + 1, int(shift[0])))
+    cc = unravel(c, shape)
+    rc = unravel(r, rshape)
+    lead, rc = rc[: len(rshape) - len(shape)], rc[len(rshape) - len(shape) :]
+    # Extra leading runtime dimensions must be fixed (one expert's slot): they add a constant base.
+    if any(int(x.min()) != int(x.max()) for x in lead):
+        return None
+    base = sum(int(x[0]) * s for x, s in zip(lead, strides(rshape)))
     offsets = [rd - cd for cd, rd in zip(cc, rc)]
     if all(int(o.min()) == int(o.max()) for o in offsets):
         lo = tuple(int(x.min()) for x in cc)
         hi = tuple(int(x.max()) + 1 for x in cc)
         # Constant offsets make the map injective; full count makes it the whole box.
         if int(np.prod([h - l for l, h in zip(lo, hi)])) == c.numel():
-            return Target(param, name, shape, layout, lo=lo, hi=hi, offset=tuple(int(o[0]) for o in offsets))
+            offset = tuple(int(o[0]) for o in offsets)
+            return Target(param, name, shape, layout, lo=lo, hi=hi, offset=offset, base=base)
     return None
 
 
@@ -310,6 +335,10 @@ class IndexMap:
     def counts(self) -> dict[str, int]:
         """Per checkpoint tensor, how many of its elements this rank holds (replicas counted each)."""
         return {n: sum(t.count for t in ts) for n, ts in self.targets.items()}
+
+    def layouts(self) -> dict[str, str]:
+        """Runtime parameter -> the name of the layout it is read and written through (sorted)."""
+        return dict(sorted({t.param_name: t.layout.name for ts in self.targets.values() for t in ts}.items()))
 
     def table_params(self) -> list[str]:
         """Runtime parameters reached through an explicit table (sorted)."""

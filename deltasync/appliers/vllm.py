@@ -35,13 +35,17 @@ Limitations:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .apply import apply_checked, read_bits
+from .apply import plan_patches, read_bits, write_patches
+from .cpu_experts import install_expert_hooks
 from .cpu_hooks import (
     PLAIN_WEIGHTS_ENV,
     install_cpu_hooks,
@@ -51,6 +55,7 @@ from .cpu_hooks import (
     repack_touched,
 )
 from .mapping import IndexMap
+from .verify import VERIFY_SAMPLES, check_written, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
 from .wire import pack, specs_from_json, unpack
 
@@ -59,6 +64,7 @@ __all__ = ["DeltaSyncWorkerExtension", "PLAIN_WEIGHTS_ENV", "install_cpu_hooks"]
 logger = logging.getLogger("deltasync.vllm")
 
 _CPU_HOOK_MODE = install_cpu_hooks()  # "plain", "stash" or None; reported by deltasync_init
+_EXPERT_HOOKS = install_expert_hooks()  # prepacked CPU MoE experts are tagged with their ISA
 
 
 class DeltaSyncWorkerExtension:
@@ -70,8 +76,15 @@ class DeltaSyncWorkerExtension:
     do not call them directly.
     """
 
-    def deltasync_init(self, specs_json: str) -> dict[str, Any]:
-        """Build this rank's index map for the checkpoint tensors ``specs_json`` lists."""
+    def deltasync_init(self, specs_json: str, checkpoint: str | None = None) -> dict[str, Any]:
+        """Build this rank's index map for the checkpoint tensors ``specs_json`` lists, then prove it.
+
+        ``checkpoint``: the directory the engine loaded. Before this rank's first write,
+        every element it holds is read back through the map and compared with that
+        checkpoint (:func:`~.verify.prove_map`); ``proof["failed"]`` names every runtime
+        parameter that did not prove. After a write, the earlier proof stands (the
+        engine no longer holds the checkpoint's values), reported as ``"earlier"``.
+        """
         started = time.perf_counter()
         specs = specs_from_json(specs_json)
         model = self.get_model()  # type: ignore[attr-defined]
@@ -81,6 +94,14 @@ class DeltaSyncWorkerExtension:
         self._deltasync_index = index
         self._deltasync_dtypes = {s.name: s.torch_dtype for s in specs}
         self._deltasync_version: int | None = getattr(self, "_deltasync_version", None)
+        mapped_ms = 1e3 * (time.perf_counter() - started)
+        proof: dict[str, Any] | str | None = None
+        if checkpoint is not None:
+            if getattr(self, "_deltasync_written", False):
+                proof = "earlier"
+            else:
+                with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
+                    proof = prove_map(index, loaded).as_dict()
         packed = packed_layer_names(model)
         if packed:
             logger.warning(
@@ -94,6 +115,9 @@ class DeltaSyncWorkerExtension:
             "cpu_hooks": _CPU_HOOK_MODE,
             "repacked_layers": packed,
             "tables": index.table_params(),
+            "layouts": index.layouts(),
+            "proof": proof,
+            "map_ms": mapped_ms,
             "ms": 1e3 * (time.perf_counter() - started),
         }
 
@@ -106,19 +130,34 @@ class DeltaSyncWorkerExtension:
         out = read_bits(_require_index(self), unpack(payload))
         return {"rank": _rank(self), "data": pack(out, text=isinstance(payload, str))}
 
-    def deltasync_apply(self, payload: bytes | str, version: int | str | None = None) -> dict[str, Any]:
+    def deltasync_apply(
+        self, payload: bytes | str, version: int | str | None = None, verify: int = VERIFY_SAMPLES
+    ) -> dict[str, Any]:
         """Write ``{name: {"idx": int64, "val": bits}}`` where this rank holds it (``idx`` absent: whole tensor).
 
         Every entry is checked (names, bounds, sizes, dtypes) before the first write.
+        Afterwards the patches are read back through the map (whole tensors fully,
+        ``verify`` random positions of each sparse one; 0 skips sparse ones):
+        ``wrong`` lists every tensor that reads back wrong, ``verify_ms`` the cost.
         """
         started = time.perf_counter()
-        applied = apply_checked(_require_index(self), unpack(payload), refresh=repack_touched)
-        if version is not None:
+        index = _require_index(self)
+        patches = plan_patches(index, unpack(payload))
+        with torch.no_grad():
+            self._deltasync_written = True
+            written, touched = write_patches(index, patches)
+            repacked = repack_touched(touched)
+            checked_at = time.perf_counter()
+            checked, wrong = check_written(index, patches, samples=int(verify), seed=int(version or 0))
+        if version is not None and not wrong:
             self._deltasync_version = int(version)
         return {
             "rank": _rank(self),
-            "written": applied.written,
-            "repacked": applied.refreshed,
+            "written": written,
+            "repacked": repacked,
+            "verified": checked,
+            "wrong": wrong,
+            "verify_ms": 1e3 * (time.perf_counter() - checked_at),
             "ms": 1e3 * (time.perf_counter() - started),
         }
 
@@ -135,6 +174,28 @@ class DeltaSyncWorkerExtension:
         spec = index.specs[name]
         idx = torch.arange(spec.numel, dtype=torch.int64)
         return self.deltasync_lookup(pack({name: {"idx": idx.numpy()}}, text=text)) | {"numel": spec.numel}
+
+
+class _checkpoint_reader:
+    """``name -> tensor`` over a safetensors checkpoint directory, files opened lazily and closed on exit."""
+
+    def __init__(self, directory: str) -> None:
+        self.files = sorted(Path(directory).glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"no *.safetensors checkpoint in {directory} to prove the map against")
+        self.stack = contextlib.ExitStack()
+        self.where: dict[str, Any] = {}
+
+    def __enter__(self) -> Callable[[str], torch.Tensor | None]:
+        import safetensors
+
+        for file in self.files:
+            handle = self.stack.enter_context(safetensors.safe_open(str(file), framework="pt"))
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+        return lambda name: self.where[name].get_tensor(name) if name in self.where else None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
 
 
 def _require_index(worker: Any) -> IndexMap:

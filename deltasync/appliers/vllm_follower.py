@@ -68,13 +68,15 @@ import safetensors
 import torch
 
 from ..codec import Decoded
-from ..errors import ConfigError, DeltaSyncError, TensorMismatch
+from ..errors import ConfigError, DeltaSyncError, LayoutMismatch, TensorMismatch
 from ..format import Header
+from ..options import check_int
 from ..stopping import run_until_signal
 from ..stores import Store, open_store
 from ..tensors import TensorSpec, dtype_name, fingerprint
 from .apply import check_header
 from .mapping import uncovered_elements
+from .verify import VERIFY_SAMPLES
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
 from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine
 from .wire import pack, specs_to_json, unpack
@@ -156,10 +158,16 @@ class VLLMFollower:
         pause_mode (`str`, *optional*, defaults to ``"wait"``): ``/pause`` mode in ``"pause"``
             mode (``"wait"`` or ``"abort"``).
         dtype (`torch.dtype`, *optional*, defaults to bf16): the published dtype.
+        verify (`int`, *optional*, defaults to 256): after each apply, every rank reads back this many
+            random positions of each changed tensor (anchors: every element) and compares them
+            with what it wrote; ``0`` skips the sampled check. Its cost is in :attr:`last_apply`.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
             them, or transform them), so the engine could not follow every delta exactly.
+        `LayoutMismatch`: some runtime parameter did not prove: read back through the map, the
+            weights the engine loaded differ from its checkpoint (a kernel keeps them in a
+            layout deltasync does not know). Nothing was written.
 
     Example:
         ```python
@@ -180,6 +188,7 @@ class VLLMFollower:
         mode: Mode = "inflight",
         pause_mode: str = "wait",
         dtype: torch.dtype = torch.bfloat16,
+        verify: int = VERIFY_SAMPLES,
     ) -> None:
         if mode not in ("inflight", "pause"):
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
@@ -187,11 +196,16 @@ class VLLMFollower:
             raise ConfigError(f"pause_mode must be 'wait' or 'abort', not {pause_mode!r}", argument="pause_mode")
         self._engine = ServerEngine(engine) if isinstance(engine, str) else InProcessEngine(engine)
         self.mode, self.pause_mode = mode, pause_mode
+        check_int("verify", verify, low=0)
+        self.verify = verify
+        self.model_dir = Path(model).resolve()
         self.specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
         self.fingerprint = fingerprint(self.specs.values())
         self.history: list[tuple[int, float]] = []
         """``(version, wall-clock time its apply finished)``, oldest first."""
         self.rpc_calls = 0
+        self.last_apply: dict[str, float] = {}
+        """The newest apply across ranks: ``ms`` (slowest rank), ``verify_ms``, ``verified`` (elements read back)."""
         self._pending: int | None = None
         self._subscriber: Any = None
         self._step: list[Header] = []
@@ -209,7 +223,8 @@ class VLLMFollower:
         return self._engine.rpc(method, *args)
 
     def _init_workers(self) -> list[dict[str, Any]]:
-        answers = self._rpc("deltasync_init", specs_to_json(self.specs.values()))
+        answers = self._rpc("deltasync_init", specs_to_json(self.specs.values()), str(self.model_dir))
+        _check_proofs(answers)
         missing = uncovered_elements(self.specs, [answer["owned"] for answer in answers])
         if missing:
             raise TensorMismatch(
@@ -260,9 +275,23 @@ class VLLMFollower:
             if self.mode == "pause" or isinstance(self._engine, ServerEngine):
                 self._engine.pause(self.pause_mode if self.mode == "pause" else "keep")
                 paused = True
+            totals = {"ms": 0.0, "verify_ms": 0.0, "verified": 0.0}
             for i, batch in enumerate(batches):
                 last = i == len(batches) - 1
-                self._rpc("deltasync_apply", pack(batch, text=self._engine.text), version if last else None)
+                answers = self._rpc(
+                    "deltasync_apply", pack(batch, text=self._engine.text), version if last else None, self.verify
+                )
+                wrong = [line for a in answers for line in a.get("wrong", [])]
+                if wrong:
+                    raise LayoutMismatch(
+                        f"version {version}: patches read back wrong right after they were written, so the "
+                        f"engine is not exact; restart it: {'; '.join(wrong[:5])}",
+                        name=wrong[0].split(" in ")[-1].split(":")[0],
+                    )
+                totals["ms"] += max(a["ms"] for a in answers)
+                totals["verify_ms"] += max(a.get("verify_ms", 0.0) for a in answers)
+                totals["verified"] += sum(a.get("verified", 0) for a in answers)
+            self.last_apply = totals
             # Cached KV blocks were computed with the old weights: no request may reuse them.
             self._engine.reset_prefix_cache()
             if version is not None:
@@ -366,6 +395,27 @@ class VLLMFollower:
         if not covered.all():
             raise TensorMismatch(f"{name}: {int((~covered).sum())} elements held by no rank", name=name)
         return torch.from_numpy(bits).view(spec.torch_dtype).view(spec.shape)
+
+
+def _check_proofs(answers: list[dict[str, Any]]) -> None:
+    """Raise :class:`LayoutMismatch` naming every runtime parameter some rank could not prove."""
+    failed: dict[str, str] = {}
+    for answer in answers:
+        proof = answer.get("proof")
+        if isinstance(proof, dict):
+            failed.update(proof.get("failed", {}))
+            if proof.get("constant"):
+                logger.info(
+                    "deltasync: %d tensors are constant in the checkpoint, so their layout is proven only "
+                    "by reading back right: %s", len(proof["constant"]), ", ".join(proof["constant"][:5]),
+                )
+    if failed:
+        lines = [f"{param}: {why}" for param, why in sorted(failed.items())]
+        raise LayoutMismatch(
+            f"{len(failed)} runtime parameters of the engine cannot be patched exactly, so the follower "
+            f"refuses to start (nothing was written): {'; '.join(lines[:4])}{' ...' if len(lines) > 4 else ''}",
+            name=sorted(failed)[0],
+        )
 
 
 _SUBSCRIBER_ARGS = {

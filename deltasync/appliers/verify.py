@@ -1,0 +1,150 @@
+"""Proof layer: check a rank's index map against what the engine really holds, before trusting it.
+
+An index map is probed through the engine's weight loaders, but a kernel may
+move the weights after loading (prepacking, padding, quantization) into a
+layout the probe never saw. Writing through such a map succeeds and corrupts
+the replica silently. Two checks close that gap:
+
+- :func:`prove_map` (once, before the first write): every element this rank
+  holds is read back *in checkpoint coordinates* through the map and its
+  layouts, from the weights the engine itself loaded from its checkpoint, and
+  compared bit for bit with that checkpoint. The engine's loader and
+  post-processing wrote those weights, not deltasync, so a map or layout that
+  disagrees with the engine's real runtime layout reads back different values.
+  Any target that does not prove is reported by runtime parameter and layout.
+- :func:`check_written` (after every apply): the patches just written are read
+  back through the map, all of them for whole tensors (anchors) and ``samples``
+  random positions per tensor for sparse deltas, and compared with what was
+  sent. It catches writes that did not land (a stale packed copy, a view that
+  was not the storage); its cost is reported in the apply stats.
+
+Limitations:
+
+- A tensor whose loaded values are all equal (fresh norm weights) cannot reveal
+  a permutation; such tensors are listed as ``constant`` and proven only in the
+  sense that they read back right. Real checkpoints have few of them, all 1-D.
+- :func:`check_written` reads through the same map it wrote with: it proves the
+  write path, not the map (that is :func:`prove_map`'s job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tensors import bits_view
+from .apply import Patch
+from .mapping import IndexMap, Target
+
+__all__ = ["Proof", "prove_map", "check_written", "PROOF_CHUNK", "VERIFY_SAMPLES"]
+
+PROOF_CHUNK = 1 << 22  # elements read back per step (bounds the int64 index scratch to 32 MiB)
+VERIFY_SAMPLES = 256  # positions read back per touched tensor after a sparse apply, by default
+
+
+@dataclass
+class Proof:
+    """What :func:`prove_map` found on one rank (JSON-able through :meth:`as_dict`)."""
+
+    tensors: int = 0
+    """Checkpoint tensors with at least one element on this rank, all read back."""
+    elements: int = 0
+    """Elements read back (a replicated element counts once per copy)."""
+    constant: list[str] = field(default_factory=list)
+    """Tensors whose loaded values are all equal: read back right, but a permutation would not show."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Runtime parameter -> why it did not prove."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"tensors": self.tensors, "elements": self.elements, "constant": self.constant, "failed": self.failed}
+
+
+def prove_map(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> Proof:
+    """Read every element this rank holds back through ``index`` and compare with the engine's checkpoint.
+
+    Args:
+        index (`IndexMap`): the rank's map, before anything was written through it.
+        loaded (`Callable`): checkpoint tensor name -> the tensor the engine loaded it from
+            (any float dtype; cast to the published dtype as the engine's loader does), or
+            ``None`` when the checkpoint lacks it (reported as a failure of its parameters).
+    """
+    proof = Proof()
+    for name, targets in index.targets.items():
+        if not targets:
+            continue
+        spec = index.specs[name]
+        source = loaded(name)
+        if source is None:
+            for target in targets:
+                proof.failed.setdefault(target.param_name, f"{name} is not in the engine's checkpoint")
+            continue
+        expected = bits_view(source.to(spec.torch_dtype).reshape(-1).contiguous())
+        proof.tensors += 1
+        for target in targets:
+            wrong = _count_wrong(target, expected, spec.torch_dtype)
+            proof.elements += target.count
+            if wrong:
+                proof.failed.setdefault(
+                    target.param_name,
+                    f"{wrong} of {target.count} elements of {name} read back through layout "
+                    f"{target.layout.name!r} differ from what the engine loaded: the engine keeps this "
+                    "parameter in a layout the map does not describe (a kernel's packing, padding or "
+                    "quantization)",
+                )
+        if expected.numel() and bool((expected == expected[0]).all()):
+            proof.constant.append(name)
+    return proof
+
+
+def _count_wrong(target: Target, expected: torch.Tensor, published: torch.dtype) -> int:
+    """Elements of ``target`` whose bits read through its layout differ from ``expected`` (flat bits)."""
+    data = target.param.data
+    wrong = 0
+    for start in range(0, expected.numel(), PROOF_CHUNK):
+        idx = torch.arange(start, min(start + PROOF_CHUNK, expected.numel()), dtype=torch.int64)
+        pos, runtime = target.translate(idx.to(data.device))
+        if pos is not None and not pos.numel():
+            continue
+        got = target.layout.read(data, runtime, published).cpu()
+        want = expected[idx] if pos is None else expected[idx[pos.cpu()]]
+        wrong += int((got != want).sum())
+    return wrong
+
+
+def check_written(
+    index: IndexMap, patches: Sequence[Patch], *, samples: int = VERIFY_SAMPLES, seed: int = 0
+) -> tuple[int, list[str]]:
+    """Read ``patches`` back through ``index`` after a write: whole tensors fully, sparse ones sampled.
+
+    Args:
+        samples (`int`): positions per sparse patch (0: skip sparse patches).
+        seed (`int`): seeds a private generator (the engine's own RNG is never touched).
+
+    Returns:
+        `tuple[int, list[str]]`: elements read back, and one line per tensor that reads back wrong.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    checked, wrong = 0, []
+    for patch in patches:
+        if patch.indices is None:
+            idx = torch.arange(patch.spec.numel, dtype=torch.int64)
+            values = patch.values
+        elif samples <= 0 or not patch.indices.numel():
+            continue
+        else:
+            pick = torch.randint(0, patch.indices.numel(), (min(samples, patch.indices.numel()),), generator=generator)
+            idx, values = patch.indices[pick], patch.values[pick]
+        for target in index.targets[patch.name]:
+            data = target.param.data
+            pos, runtime = target.translate(idx.to(data.device))
+            if pos is not None and not pos.numel():
+                continue
+            got = target.layout.read(data, runtime, patch.spec.torch_dtype).cpu()
+            want = values if pos is None else values[pos.cpu()]
+            checked += int(got.numel())
+            bad = int((got != want).sum())
+            if bad:
+                wrong.append(f"{patch.name} in {target.param_name}: {bad} of {got.numel()} read back wrong")
+    return checked, wrong

@@ -1,0 +1,147 @@
+"""Mixture-of-Experts replicas: a trained Qwen3-MoE followed by real vLLM engines, exact in packed layouts.
+
+The trainer is a real transformers Qwen3-MoE (fused experts in memory) trained
+with AdamW; it publishes in the checkpoint's per-expert names. The replicas are
+vLLM CPU engines, whose MoE kernel pads the expert width (48 -> 64) and prepacks
+the expert weights after loading. After every version each rank reads back
+bit-exact in checkpoint coordinates; at the end the engine's runtime tensors
+(packed as the kernel reads them) equal those of a fresh engine loaded from the
+trainer's weights. A map that does not know the packing is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm)"),
+]
+
+from deltasync.errors import LayoutMismatch  # noqa: E402
+from deltasync.publisher import Publisher  # noqa: E402
+from tests.vllm_helpers import (  # noqa: E402
+    Trainer,
+    assert_engine_exact,
+    engine,
+    greedy,
+    runtime_digests,
+    save_checkpoint,
+    tiny_qwen3_moe,
+)
+
+PACKED = "vllm-cpu-packed-experts"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deltasync.models import smollm2_checkpoint
+
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3-moe", smollm2_checkpoint())
+
+
+@pytest.fixture(autouse=True)
+def _rpc_callables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests run functions in the workers through ``collective_rpc`` (engines inherit the environment)."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def _drop_packed_layout(worker: Any) -> None:
+    from deltasync.appliers.mapping import unregister_layout
+
+    unregister_layout(PACKED)
+
+
+def _restore_packed_layout(worker: Any) -> None:
+    from deltasync.appliers.cpu_experts import PACKED_EXPERTS
+    from deltasync.appliers.mapping import layout_names, register_layout
+
+    if PACKED not in layout_names():
+        register_layout(PACKED_EXPERTS)
+
+
+def _follow(llm: Any, moe_dir: Path, store: str, trainer: Trainer, steps: int) -> dict[str, Any]:
+    """Train ``steps`` AdamW steps, publishing each; the engine follows and is exact after every version."""
+    from deltasync.appliers.vllm_follower import VLLMFollower
+
+    follower = VLLMFollower(llm, model=moe_dir)
+    layouts = {p: name for rank in follower.ranks for p, name in rank["layouts"].items()}
+    assert {layouts[p] for p in layouts if p.endswith(("w13_weight", "w2_weight"))} == {PACKED}
+    assert not any(rank["tables"] for rank in follower.ranks), "expert tensors must map as boxes, not tables"
+    touched = []
+    with Publisher(trainer.model, store) as pub:
+        sub = follower.subscriber(store, ack=False)
+        pub.publish(0, block=True)
+        for step in range(1, steps + 1):
+            trainer.step()
+            pub.publish(step, block=True)
+            pub.flush()
+            assert sub.update() is not None
+            weights = trainer.bf16()
+            assert_engine_exact(follower, weights)
+            assert follower.last_apply["verified"] > 0
+            touched.append(pub.stats.last.nnz if pub.stats.last else None)
+            assert all(len(tokens) > 0 for tokens in greedy(llm))
+        sub.close()
+    return {"weights": trainer.bf16(), "digests": llm.collective_rpc(runtime_digests), "touched": touched}
+
+
+def test_unknown_packing_is_refused_before_any_write(moe_dir: Path) -> None:
+    """Without the packed-experts layout the map addresses the unpacked layout: the proof must refuse it."""
+    from deltasync.appliers.vllm_follower import VLLMFollower
+
+    with engine(moe_dir, plain=False) as llm:
+        before = llm.collective_rpc(runtime_digests)
+        llm.collective_rpc(_drop_packed_layout)
+        with pytest.raises(LayoutMismatch) as caught:
+            VLLMFollower(llm, model=moe_dir)
+        assert "w13_weight" in str(caught.value) and "w2_weight" in str(caught.value)
+        assert caught.value.name.endswith(("w13_weight", "w2_weight"))
+        assert llm.collective_rpc(runtime_digests) == before  # nothing was written
+        llm.collective_rpc(_restore_packed_layout)
+        VLLMFollower(llm, model=moe_dir)  # proves once the layout is known
+
+
+def test_trained_moe_followed_exactly_and_equals_a_fresh_engine(moe_dir: Path, tmp_path: Path) -> None:
+    """Default CPU weights, TP=1: exact after every version; runtime bytes equal a fresh engine's."""
+    trainer = Trainer(moe_dir, lr=1e-4)
+    with engine(moe_dir, plain=False) as llm:
+        followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=3)
+    fresh_dir = save_checkpoint(followed["weights"], moe_dir, tmp_path / "fresh")
+    with engine(fresh_dir, plain=False) as llm:
+        fresh = llm.collective_rpc(runtime_digests)
+    assert followed["digests"] == fresh
+
+
+def test_trained_moe_tp2_exact_on_both_ranks(moe_dir: Path, tmp_path: Path) -> None:
+    """TP=2 splits every expert's width across ranks (24 each, padded to 32): each rank exact."""
+    trainer = Trainer(moe_dir, lr=1e-4, seed=1)
+    with engine(moe_dir, tp=2, plain=True) as llm:
+        followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=2)
+    assert len(followed["digests"]) == 2
+
+
+def test_sampled_check_can_be_switched_off(moe_dir: Path, tmp_path: Path) -> None:
+    """``verify=0`` skips the sampled read-back of sparse deltas (anchors are always read back)."""
+    from deltasync.appliers.vllm_follower import VLLMFollower
+
+    trainer = Trainer(moe_dir, lr=1e-5, seed=2)  # sparse: no tensor is carried whole
+    store = str(tmp_path / "run")
+    with engine(moe_dir, plain=True) as llm, Publisher(trainer.model, store) as pub:
+        follower = VLLMFollower(llm, model=moe_dir, verify=0)
+        sub = follower.subscriber(store, ack=False)
+        pub.publish(0, block=True)
+        pub.flush()
+        assert sub.update() is not None
+        assert follower.last_apply["verified"] > 0  # the anchor
+        trainer.step()
+        pub.publish(1, block=True)
+        pub.flush()
+        assert sub.update() is not None
+        assert follower.last_apply["verified"] == 0
+        assert_engine_exact(follower, trainer.bf16())
+        sub.close()
