@@ -133,8 +133,10 @@ def check_written(
             values = patch.values
         elif samples <= 0 or not patch.indices.numel():
             continue
+        elif patch.indices.numel() <= samples:  # a small patch is read back whole
+            idx, values = patch.indices, patch.values
         else:
-            pick = torch.randint(0, patch.indices.numel(), (min(samples, patch.indices.numel()),), generator=generator)
+            pick = torch.randint(0, patch.indices.numel(), (samples,), generator=generator)
             idx, values = patch.indices[pick], patch.values[pick]
         for target in index.targets[patch.name]:
             data = target.param.data

@@ -25,8 +25,11 @@ Limitations:
   float (written by exact up-cast). Quantized layers, weights that loaders
   transform arithmetically (scaling, permutation by math), and causal-conv
   weights packed by the CPU backend are refused at init, by name.
-- Pipeline parallel is untested; expert parallel / MoE layers map through the
-  explicit table path if their loaders are probe-able, which is untested.
+- Pipeline and expert parallel are untested. MoE experts (vLLM's stacked
+  ``w13_weight`` / ``w2_weight``, prepacked on CPU: :mod:`.cpu_experts`) are
+  tested at TP=1 and TP=2.
+- Every map is proven against the checkpoint the engine loaded before the
+  first write (:mod:`.verify`); a parameter that does not prove is refused.
 - Worker-side apply is O(changed elements) but a scattered write: on one CPU
   core about 15 ms for a 0.57 % SmolLM2 delta (bare ``index_copy_`` of the
   same elements: 11 ms; full ``load_weights``: 25-32 ms).
