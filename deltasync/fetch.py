@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -29,8 +30,9 @@ import numpy as np
 
 from .codec import Decoded
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, VersionError
-from .format import MAX_HEADER_BYTES, Header, combine, decode, read_header
+from .format import MAX_HEADER_BYTES, Header, combine, decode, decode_entries, read_header
 from .manifest import Manifest, ObjectRef, Plan, Step
+from .ranged import Fetched, can_read_ranges, fetch_tensors
 from .stores import Store
 from .tensors import TensorSpec, describe_differences
 
@@ -71,8 +73,10 @@ class Fetcher:
         workers (`int`): parallel downloads.
     """
 
-    def __init__(self, store: Store, applier: Applier, *, workers: int) -> None:
-        self.store, self.applier = store, applier
+    def __init__(
+        self, store: Store, applier: Applier, *, workers: int, only: Callable[[str], bool] | None = None
+    ) -> None:
+        self.store, self.applier, self.only = store, applier, only
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-fetch")
         self._bad: dict[_Claim, float] = {}  # claim -> monotonic time until which routes avoid it
         self._failures: Counter[ObjectRef] = Counter()
@@ -96,9 +100,20 @@ class Fetcher:
                         out.add(ref.key)
         return out
 
-    def prefetch(self, plan: Plan) -> dict[str, Future[bytes]]:
-        """Start downloading every object of ``plan``; results by key (verified on completion)."""
-        return {ref.key: self._pool.submit(self._download, ref) for s in plan.steps for ref in s.objects}
+    def prefetch(self, plan: Plan) -> dict[str, Future[bytes | Fetched]]:
+        """Start downloading every object of ``plan``; results by key (verified on completion).
+
+        With ``only``, objects whose manifest reference allows it are read by range:
+        just the selected tensors (:mod:`deltasync.ranged`).
+        """
+        return {
+            ref.key: self._pool.submit(self._download_ranged if self._ranged(ref) else self._download, ref)
+            for s in plan.steps
+            for ref in s.objects
+        }
+
+    def _ranged(self, ref: ObjectRef) -> bool:
+        return self.only is not None and can_read_ranges(ref)
 
     def _download(self, ref: ObjectRef) -> bytes:
         try:
@@ -106,11 +121,7 @@ class Fetcher:
         except IntegrityError:
             data = b""  # larger than promised: counted below like any other mismatch
         if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-            # A truncated transfer may succeed next time; a third failure marks the object bad.
-            self._failures[ref] += 1
-            if self._failures[ref] >= BAD_AFTER:
-                self._failures[ref] = 0
-                self._bad[(ref, None, None)] = time.monotonic() + BAD_RETRY_S
+            self._count_failure(ref)
             raise IntegrityError(
                 f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
                 f"({ref.size} bytes); object refused",
@@ -118,12 +129,30 @@ class Fetcher:
             )
         return data
 
+    def _download_ranged(self, ref: ObjectRef) -> Fetched:
+        assert self.only is not None
+        try:
+            return fetch_tensors(self.store, ref, self.only)
+        except IntegrityError:
+            self._count_failure(ref)
+            raise
+
+    def _count_failure(self, ref: ObjectRef) -> None:
+        """A truncated transfer may succeed next time; a third failure marks the object bad."""
+        self._failures[ref] += 1
+        if self._failures[ref] >= BAD_AFTER:
+            self._failures[ref] = 0
+            self._bad[(ref, None, None)] = time.monotonic() + BAD_RETRY_S
+
     # ------------------------------------------------------------------ checks
 
-    def check_and_decode(self, step: Step, blobs: list[bytes], previous_version: int | None) -> dict[str, Decoded]:
+    def check_and_decode(
+        self, step: Step, blobs: list[bytes | Fetched], previous_version: int | None
+    ) -> dict[str, Decoded]:
         """Validate every file of one version against the replica and the manifest's claim, and
-        decode it all; nothing is written. Refused objects are avoided under this claim."""
-        headers = [read_header(b) for b in blobs]
+        decode it all (or the tensors range-read from it); nothing is written. Refused objects
+        are avoided under this claim."""
+        headers = [b.header if isinstance(b, Fetched) else read_header(b) for b in blobs]
         for ref, header in zip(step.objects, headers):
             try:
                 self.applier.validate(header)
@@ -137,7 +166,10 @@ class Fetcher:
         parts = []
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
-                parts.append(decode(blob, base=self.applier.lookup, header=header))
+                if isinstance(blob, Fetched):
+                    parts.append((header, decode_entries(header, blob.entries, base=self.applier.lookup, names=blob.names)))
+                else:
+                    parts.append(decode(blob, base=self.applier.lookup, header=header))
             except DeltaSyncError:
                 self._refuse(step, ref)
                 raise

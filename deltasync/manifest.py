@@ -69,6 +69,10 @@ class ObjectRef:
     rank: int | None = None
     """For a sharded trainer: the rank that wrote this shard of the version (each
     tensor entry in the object's header names the rows of the full tensor it holds)."""
+    header: tuple[int, str] | None = None
+    """``(size, sha256)`` of the object's first bytes: the 8-byte length and the JSON
+    header. A reader that range-reads only some tensors verifies the header with it,
+    then each tensor with the SHA-256 the header lists for it."""
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -78,18 +82,29 @@ class ObjectRef:
             raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
         if not isinstance(self.sha256, str) or len(self.sha256) != 64 or not _is_hex(self.sha256):
             raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
+        if self.header is not None:
+            size, digest = self.header
+            if not _is_int(size, 8, self.size) or not isinstance(digest, str) or len(digest) != 64 or not _is_hex(digest):
+                raise ManifestError(f"bad header reference for {self.key}", key=self.key)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "size": self.size, "sha256": self.sha256}
         if self.rank is not None:
             out["rank"] = self.rank
+        if self.header is not None:
+            out["header"] = {"size": self.header[0], "sha256": self.header[1]}
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> ObjectRef:
         if not isinstance(raw, dict):
             raise ManifestError("object reference must be a JSON object")
-        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"), raw.get("rank"))  # type: ignore[arg-type]
+        header = raw.get("header")
+        if header is not None:
+            if not isinstance(header, dict):
+                raise ManifestError("object reference 'header' must be a JSON object")
+            header = (header.get("size"), header.get("sha256"))
+        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"), raw.get("rank"), header)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

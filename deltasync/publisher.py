@@ -46,7 +46,7 @@ from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch
-from .format import DEFAULT_LEVEL, encode_anchor, encode_delta
+from .format import DEFAULT_LEVEL, encode_anchor, encode_delta, header_ref
 from .keys import anchor_part_key, anchor_prefix, delta_key
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
 from .publish_options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, check_options
@@ -336,7 +336,7 @@ class Publisher:
 
     def _upload(self, key: str, data: bytes) -> ObjectRef:
         self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
-        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank)
+        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank, header_ref(data))
 
     def _encode_delta(self, changes: ChangeSet, version: int) -> bytes:
         return encode_delta(

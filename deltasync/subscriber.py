@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher
 from .keys import MANIFEST_KEY
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
 from .options import check_int, check_number
+from .ranged import Fetched
 from .stores import Store, open_store
 
 __all__ = ["Subscriber", "UpdateInfo", "Applier", "read_acks", "ACK_TTL_S", "BAD_AFTER", "BAD_RETRY_S"]
@@ -99,6 +100,11 @@ class Subscriber:
             restarted replica catches up by deltas instead of an anchor.
         run_id (`str`, *optional*): the run ``start_version`` belongs to. A manifest of another run
             is followed from one of its anchors, as without a start version.
+        only (`Collection[str]` or `Callable[[str], bool]`, *optional*): fetch and apply only these
+            checkpoint tensors (an expert-parallel rank's experts, say). Objects are then read by
+            byte range, just the selected tensors, each verified against the hash its header lists
+            (:mod:`deltasync.ranged`); objects written without those hashes are downloaded whole.
+            The other tensors are left as they are.
 
     Example:
         ```python
@@ -122,9 +128,17 @@ class Subscriber:
         on_update: Callable[[UpdateInfo], None] | None = None,
         start_version: int | None = None,
         run_id: str | None = None,
+        only: Collection[str] | Callable[[str], bool] | None = None,
         **store_options: Any,
     ) -> None:
         _check_options(applier, poll_interval, max_poll_interval, fetch_workers, on_update, start_version, run_id)
+        if only is not None and not callable(only):
+            if isinstance(only, str) or not isinstance(only, Collection):
+                raise ConfigError("only must be a collection of tensor names or a callable", argument="only")
+            unknown = sorted(set(only) - set(applier.specs))
+            if unknown:
+                raise ConfigError(f"only names tensors the applier does not hold: {unknown[:5]}", argument="only")
+            only = frozenset(only).__contains__
         self.store = open_store(store, **store_options)
         self.applier = applier
         self.replica_id = safe_replica_id(replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -136,7 +150,7 @@ class Subscriber:
         self._run_id: str | None = run_id
         self._etag: str | None = None
         self._manifest: Manifest | None = None
-        self._fetcher = Fetcher(self.store, applier, workers=fetch_workers)
+        self._fetcher = Fetcher(self.store, applier, workers=fetch_workers, only=only)
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -314,8 +328,10 @@ class Subscriber:
         futures = self._fetcher.prefetch(plan)
         t_decode = t_apply = 0.0
         previous = self._held(manifest)
+        nbytes = 0
         for step in plan.steps:
             blobs = [futures[ref.key].result() for ref in step.objects]
+            nbytes += sum(b.bytes_read if isinstance(b, Fetched) else len(b) for b in blobs)
             t0 = time.perf_counter()
             decoded = self._fetcher.check_and_decode(step, blobs, previous_version=self._held(manifest))
             t1 = time.perf_counter()
@@ -333,7 +349,7 @@ class Subscriber:
             version=plan.target,
             previous=previous,
             route=tuple(s.kind for s in plan.steps),
-            bytes=plan.nbytes,
+            bytes=nbytes,
             t_fetch=max(0.0, time.perf_counter() - started - t_decode - t_apply),
             t_decode=t_decode,
             t_apply=t_apply,

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "deltasync.publish_options": 6,
     "deltasync.acks": 6,
     "deltasync.fetch": 6,
+    "deltasync.ranged": 6,
     "deltasync.cache": 6,
     "deltasync.publisher": 7,
     "deltasync.sharded": 7,

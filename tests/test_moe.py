@@ -145,3 +145,39 @@ def test_sampled_check_can_be_switched_off(moe_dir: Path, tmp_path: Path) -> Non
         assert follower.last_apply["verified"] == 0
         assert_engine_exact(follower, trainer.bf16())
         sub.close()
+
+
+def test_expert_parallel_ranks_prove_apply_and_fetch_only_their_experts(moe_dir: Path, tmp_path: Path) -> None:
+    """EP=2: each rank holds 4 of 8 experts per layer, proves and applies exactly; a rank's range reads
+    fetch only its experts. (vLLM 0.32's CPU build loads EP engines but its forward pass crashes, so
+    this engine never generates.)"""
+    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.keys import MANIFEST_KEY
+    from deltasync.manifest import Manifest
+    from deltasync.ranged import fetch_tensors
+    from deltasync.stores import open_store
+
+    trainer = Trainer(moe_dir, lr=1e-4, seed=3)
+    store = str(tmp_path / "run")
+    with engine(moe_dir, tp=2, plain=True, enable_expert_parallel=True) as llm, Publisher(trainer.model, store) as pub:
+        follower = VLLMFollower(llm, model=moe_dir)
+        held = follower.rank_tensors()
+        experts = [{n for n in held[r] if ".mlp.experts." in n} for r in (0, 1)]
+        assert experts[0] and experts[1] and experts[0].isdisjoint(experts[1])
+        assert all(".experts.0." in n or ".experts.1." in n or ".experts.2." in n or ".experts.3." in n
+                   for n in experts[0])
+        sub = follower.subscriber(store, ack=False)
+        pub.publish(0, block=True)
+        for step in (1, 2):
+            trainer.step()
+            pub.publish(step, block=True)
+        pub.flush()
+        sub.update()
+        assert_engine_exact(follower, trainer.bf16())
+        sub.close()
+    run = open_store(store)
+    manifest = Manifest.from_bytes(run.get(MANIFEST_KEY))
+    for entry in manifest.versions:
+        for ref in entry.anchor + entry.delta:
+            reads = [fetch_tensors(run, ref, held[r].__contains__, gap=0) for r in (0, 1)]
+            assert all(f.bytes_read < ref.size for f in reads), (ref.key, [f.bytes_read for f in reads], ref.size)

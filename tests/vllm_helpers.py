@@ -33,7 +33,7 @@ ENGINE_ARGS: dict[str, Any] = dict(
 
 @contextlib.contextmanager
 def engine(
-    model: str | Path, *, tp: int = 1, plain: bool = True, extension: bool | str = True
+    model: str | Path, *, tp: int = 1, plain: bool = True, extension: bool | str = True, **engine_args: Any
 ) -> Iterator[Any]:
     """An in-process vLLM ``LLM`` (plain CPU weights unless ``plain=False``), shut down on exit."""
     from vllm import LLM
@@ -48,7 +48,7 @@ def engine(
             model=str(model),
             tensor_parallel_size=tp,
             **({"worker_extension_cls": extension if isinstance(extension, str) else EXTENSION} if extension else {}),
-            **ENGINE_ARGS,
+            **(ENGINE_ARGS | engine_args),
         )
     finally:
         for k, v in old.items():

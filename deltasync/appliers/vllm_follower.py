@@ -245,6 +245,15 @@ class VLLMFollower:
         )
         return answers
 
+    def rank_tensors(self) -> dict[int, frozenset[str]]:
+        """Per engine rank, the checkpoint tensors it holds elements of.
+
+        Under expert parallelism a rank holds only its experts: this is the
+        selection a per-rank reader passes as ``Subscriber(..., only=...)`` or to
+        :func:`deltasync.ranged.fetch_tensors` to download only its share.
+        """
+        return {int(a["rank"]): frozenset(n for n, c in a["counts"].items() if c) for a in self.ranks}
+
     # ------------------------------------------------------------------ applier protocol
 
     def validate(self, header: Header) -> None:

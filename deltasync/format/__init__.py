@@ -15,17 +15,19 @@ Reading is split in two so a receiver can refuse a file before decoding it:
 
 from __future__ import annotations
 
-from .decode import combine, decode
+from .decode import combine, decode, decode_entries
 from .encode import DEFAULT_LEVEL, as_numpy_bits, encode_anchor, encode_delta, serialize
 from .header import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
+    SAFETENSORS_DTYPES,
     Header,
     Kind,
     Rows,
     TensorEntry,
     check_compatible,
+    header_ref,
     raw_header,
     read_header,
     slice_spec,
@@ -35,6 +37,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
     "DEFAULT_LEVEL",
     "Kind",
     "Rows",
@@ -45,9 +48,11 @@ __all__ = [
     "encode_anchor",
     "serialize",
     "as_numpy_bits",
+    "header_ref",
     "raw_header",
     "read_header",
     "check_compatible",
     "decode",
+    "decode_entries",
     "combine",
 ]

@@ -8,7 +8,7 @@ overlaps and, for anchors, gaps.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import safetensors
@@ -20,7 +20,7 @@ from ..errors import CodecError, DeltaFormatError
 from ..tensors import TensorSpec
 from .header import Header, TensorEntry, read_header
 
-__all__ = ["decode", "combine"]
+__all__ = ["decode", "decode_entries", "combine"]
 
 
 def decode(
@@ -49,15 +49,35 @@ def decode(
         entries = safetensors.torch.load(bytes(data))
     except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
         raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
+    return header, decode_entries(header, entries, base=base)
+
+
+def decode_entries(
+    header: Header,
+    entries: Mapping[str, torch.Tensor],
+    *,
+    base: BaseLookup | None = None,
+    names: Collection[str] | None = None,
+) -> dict[str, Decoded]:
+    """Decode the tensors ``names`` (default: all the header lists) from their safetensors entries.
+
+    ``entries`` must hold exactly the entries of those tensors (``T`` for an anchor,
+    ``T::part`` for a delta): the whole file's, or what a range reader fetched.
+
+    Raises:
+        `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
+            base-relative decode did not reproduce the publisher's values.
+    """
+    wanted = header.tensors if names is None else {name: header.tensors[name] for name in names}
     decoded: dict[str, Decoded] = {}
     if header.kind == "anchor":
-        if entries.keys() != header.tensors.keys():
+        if entries.keys() != wanted.keys():
             raise DeltaFormatError("anchor entries differ from its metadata")
-        for name, entry in header.tensors.items():
+        for name, entry in wanted.items():
             parts = {"val": entries[name]}
             decoded[name] = _place(get_codec("dense").decode(parts, {}, entry.local_spec, entry.nnz, None), entry)
-        return header, decoded
-    grouped: dict[str, dict[str, torch.Tensor]] = {name: {} for name in header.tensors}
+        return decoded
+    grouped: dict[str, dict[str, torch.Tensor]] = {name: {} for name in wanted}
     stray = []
     for key, value in entries.items():  # one pass: entry "T::part" belongs to tensor T
         cut = key.rfind("::")
@@ -68,17 +88,17 @@ def decode(
     if stray:
         raise DeltaFormatError(f"entries without metadata: {stray[:5]}")
     codecs = {}
-    for name, entry in header.tensors.items():  # resolve every codec before decoding any
+    for name, entry in wanted.items():  # resolve every codec before decoding any
         try:
             codecs[name] = get_codec(entry.codec)
         except ValueError as exc:
             raise CodecError(f"{name}: {exc}", name=name) from None
-    for name, entry in header.tensors.items():
+    for name, entry in wanted.items():
         lookup = base
         if base is not None and entry.offset:
             lookup = functools.partial(_shifted_lookup, base, entry.offset)
         decoded[name] = _place(codecs[name].decode(grouped[name], entry.params, entry.local_spec, entry.nnz, lookup), entry)
-    return header, decoded
+    return decoded
 
 
 def _shifted_lookup(base: BaseLookup, offset: int, name: str, indices: np.ndarray) -> np.ndarray:

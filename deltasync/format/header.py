@@ -8,10 +8,14 @@ safetensors JSON header (length-bounded, strict JSON), the deltasync metadata
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 from ..errors import DeltaFormatError, FingerprintMismatch
 from ..jsonio import load_json
@@ -21,13 +25,16 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
     "Kind",
     "Rows",
     "slice_spec",
     "TensorEntry",
     "Header",
     "entry_json",
+    "entry_digest",
     "metadata_strings",
+    "header_ref",
     "raw_header",
     "read_header",
     "check_compatible",
@@ -37,6 +44,20 @@ FORMAT_NAME = "deltasync"
 FORMAT_VERSION = 1
 # Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
 MAX_HEADER_BYTES = 64 << 20
+
+# safetensors' element type names, in its writer's layout order (entries of a later type come first).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+}
 
 Kind = Literal["delta", "anchor"]
 Rows = tuple[int, int]
@@ -63,6 +84,9 @@ class TensorEntry:
     rows: Rows | None = None
     """For a shard written by one trainer rank: the dim-0 rows of the full tensor this
     file carries (indices and values are relative to the first); ``None``: all of it."""
+    sha256: str | None = None
+    """Hex SHA-256 of the tensor's entry bytes, in entry-name order: lets a reader that
+    range-reads only some tensors verify them (files written before it have none)."""
 
     @property
     def local_spec(self) -> TensorSpec:
@@ -112,11 +136,28 @@ class Header:
         return 1.0 - self.nnz / self.numel if self.numel else 1.0
 
 
-def entry_json(spec: TensorSpec, codec: str, nnz: int, params: dict[str, Any], rows: Rows | None = None) -> dict[str, Any]:
+def entry_json(
+    spec: TensorSpec,
+    codec: str,
+    nnz: int,
+    params: dict[str, Any],
+    rows: Rows | None = None,
+    sha256: str | None = None,
+) -> dict[str, Any]:
     out = {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
     if rows is not None:
         out["rows"] = [int(rows[0]), int(rows[1])]
+    if sha256 is not None:
+        out["sha256"] = sha256
     return out
+
+
+def entry_digest(parts: Sequence[torch.Tensor]) -> str:
+    """SHA-256 over the bytes of one tensor's entries, given in entry-name order."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(memoryview(part.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 def metadata_strings(
@@ -142,6 +183,13 @@ def metadata_strings(
     if base_version is not None:
         meta["base_version"] = str(base_version)
     return meta
+
+
+def header_ref(data: bytes | memoryview) -> tuple[int, str]:
+    """``(size, sha256)`` of a file's first bytes (length prefix and JSON header), for the manifest."""
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    size = 8 + length
+    return size, hashlib.sha256(data[:size]).hexdigest()
 
 
 def raw_header(data: bytes | memoryview) -> dict[str, Any]:
@@ -225,7 +273,12 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
-    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows)
+    digest = raw.get("sha256")
+    if digest is not None and not (
+        isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+    ):
+        raise DeltaFormatError(f"{name}: bad sha256 {digest!r}")
+    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows, digest)
 
 
 def check_compatible(header: Header, expected_fingerprint: str) -> None:
