@@ -117,6 +117,21 @@ def test_trained_moe_followed_exactly_and_equals_a_fresh_engine(moe_dir: Path, t
     assert followed["digests"] == fresh
 
 
+def test_shared_expert_architecture_followed_exactly(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Qwen2-MoE: routed experts plus a shared expert and its gate; runtime bytes equal a fresh engine's."""
+    from deltasync.models import smollm2_checkpoint
+
+    moe_dir = tiny_qwen3_moe(tmp_path_factory.mktemp("moe-shared") / "qwen2-moe", smollm2_checkpoint(),
+                             shared_expert=True)
+    trainer = Trainer(moe_dir, lr=1e-4, seed=4)
+    with engine(moe_dir, plain=False) as llm:
+        followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=2)
+    fresh_dir = save_checkpoint(followed["weights"], moe_dir, tmp_path / "fresh")
+    with engine(fresh_dir, plain=False) as llm:
+        assert followed["digests"] == llm.collective_rpc(runtime_digests)
+    assert any("shared_expert" in name for name in followed["weights"])
+
+
 def test_trained_moe_tp2_exact_on_both_ranks(moe_dir: Path, tmp_path: Path) -> None:
     """TP=2 splits every expert's width across ranks (24 each, padded to 32): each rank exact."""
     trainer = Trainer(moe_dir, lr=1e-4, seed=1)

@@ -160,10 +160,11 @@ def tiny_qwen3(target: Path, tokenizer_dir: Path) -> Path:
     return target
 
 
-def tiny_qwen3_moe(target: Path, tokenizer_dir: Path) -> Path:
+def tiny_qwen3_moe(target: Path, tokenizer_dir: Path, *, shared_expert: bool = False) -> Path:
     """A random 2-layer Qwen3-MoE (hidden 128, 8 experts, top-2, expert width 48: vLLM pads it to 64).
 
     head_dim 32 (the CPU attention needs >= 32); saved as bf16 safetensors with per-expert names.
+    ``shared_expert``: a Qwen2-MoE instead, whose layers add a shared expert (width 80) and its gate.
     """
     import transformers
 
@@ -171,7 +172,7 @@ def tiny_qwen3_moe(target: Path, tokenizer_dir: Path) -> Path:
         return target
     torch.manual_seed(0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = transformers.Qwen3MoeConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -181,13 +182,18 @@ def tiny_qwen3_moe(target: Path, tokenizer_dir: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    if shared_expert:
+        model = transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=80)
+        )
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=32))
+    model = model.to(torch.bfloat16)
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)

@@ -103,7 +103,7 @@ class DeltaSyncWorkerExtension:
             if getattr(self, "_deltasync_written", False):
                 proof = "earlier"
             else:
-                with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
+                with _checkpoint_reader(_engine_checkpoint(self, checkpoint)) as loaded, torch.no_grad():
                     proof = prove_map(index, loaded).as_dict()
         packed = packed_layer_names(model)
         if packed:
@@ -199,6 +199,21 @@ class _checkpoint_reader:
 
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
+
+
+def _engine_checkpoint(worker: Any, given: str) -> str:
+    """The checkpoint directory to prove against: ``given`` if it is one here, else the engine's own."""
+    if Path(given).is_dir():
+        return given
+    config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    own = getattr(config, "model", None)
+    if isinstance(own, str) and Path(own).is_dir():
+        logger.info("deltasync: %s is not a directory on this worker; proving against the engine's %s", given, own)
+        return own
+    raise FileNotFoundError(
+        f"deltasync: the checkpoint {given} the follower names is not on this worker, and the engine's model "
+        f"{own!r} is not a local directory: pass --model the directory the engine loaded"
+    )
 
 
 def _require_index(worker: Any) -> IndexMap:
