@@ -160,28 +160,43 @@ def tiny_qwen3(target: Path, tokenizer_dir: Path) -> Path:
     return target
 
 
-def tiny_qwen3_moe(target: Path, tokenizer_dir: Path, *, shared_expert: bool = False) -> Path:
-    """A random 2-layer Qwen3-MoE (hidden 128, 8 experts, top-2, expert width 48: vLLM pads it to 64).
+def tiny_qwen3_moe(
+    target: Path,
+    tokenizer_dir: Path,
+    *,
+    shared_expert: bool = False,
+    hidden: int = 128,
+    experts: int = 8,
+    top_k: int = 2,
+    width: int = 48,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    seed: int = 0,
+) -> Path:
+    """A random Qwen3-MoE (default: 2 layers, hidden 128, 8 experts, top-2, expert width 48: vLLM pads it to 64).
 
     head_dim 32 (the CPU attention needs >= 32); saved as bf16 safetensors with per-expert names.
-    ``shared_expert``: a Qwen2-MoE instead, whose layers add a shared expert (width 80) and its gate.
+    ``shared_expert``: a Qwen2-MoE instead, whose layers add a shared expert (width 80) and its gate
+    (its head_dim is hidden / heads).
     """
     import transformers
 
     if (target / ".complete").exists():
         return target
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=width,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -192,7 +207,7 @@ def tiny_qwen3_moe(target: Path, tokenizer_dir: Path, *, shared_expert: bool = F
             transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=80)
         )
     else:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=32))
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=head_dim))
     model = model.to(torch.bfloat16)
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target, safe_serialization=True)

@@ -140,7 +140,8 @@ def _positions(data: torch.Tensor, runtime: torch.Tensor) -> torch.Tensor:
     experts, n, k = data.shape
     size = n * k
     perm = prepack_permutation((n, k), data.dtype, isa).to(runtime.device)
-    return runtime - runtime % size + perm[runtime % size]
+    within = runtime % size
+    return (runtime - within).add_(perm[within])
 
 
 def _claims(name: str, param: torch.nn.Parameter) -> bool:
