@@ -46,7 +46,7 @@ from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch
-from .format import DEFAULT_LEVEL, encode_anchor, encode_delta, header_ref
+from .format import DEFAULT_LEVEL, Window, encode_anchor, encode_delta, header_ref
 from .keys import anchor_part_key, anchor_prefix, delta_key
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
 from .publish_options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, check_options
@@ -189,7 +189,7 @@ class Publisher:
         self._model_specs = tuple(TensorSpec.of(n, t, dtype) for n, t in published_tensors(model))
         # Set by ShardedPublisher: this rank's slice of a larger model.
         self._specs: tuple[TensorSpec, ...] | None = None  # the full model, when sharded
-        self._rows: dict[str, tuple[int, int]] | None = None  # dim-0 rows this rank carries
+        self._rows: dict[str, Window] | None = None  # dim-0 rows (or flat elements) this rank carries
         self._rank: int | None = None
 
     # ------------------------------------------------------------------ public API

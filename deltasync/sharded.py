@@ -2,7 +2,9 @@
 
 With FSDP2 / DTensor (parameters sharded along dim 0) each rank diffs the rows
 it holds against its own published snapshot of those rows and uploads one delta
-object. With plain data parallelism (every rank holds every parameter) the
+object; with DeepSpeed ZeRO-3 (each flattened parameter cut into equal flat
+slices, ``param.ds_tensor``) each rank does the same with its slice, carried as
+a flat element range (``elements`` in the file's header). With plain data parallelism (every rank holds every parameter) the
 ranks split each tensor's rows between them, so the diff, encode and upload work
 is divided too. Nothing of the model is gathered: rank 0 collects only the
 object references (a few hundred bytes per rank) and commits the version, whose
@@ -24,7 +26,7 @@ any rank aborts that version on every rank: all snapshots stay at the last
 committed version and the next delta covers the changes (invariant 2).
 
 Limits: parameters must be sharded along dim 0 (FSDP2's ``Shard(0)``),
-replicated, or on a 2-D mesh ``(Replicate, Shard(0))`` as HSDP lays them out;
+partitioned by ZeRO-3, replicated, or on a 2-D mesh ``(Replicate, Shard(0))`` as HSDP lays them out;
 tensor-parallel ``Shard(1)`` and ``Partial`` placements are refused. The
 publisher's collectives run over the default process group. A rank that dies
 mid-collective blocks the others until the process group's timeout, as in any
@@ -43,6 +45,7 @@ import torch
 
 from .diff import ChangeSet, Snapshot, diff
 from .errors import ConflictError, FingerprintMismatch, StoreError
+from .format import Elements, Window
 from .keys import delta_key
 from .manifest import ObjectRef, VersionEntry
 from .publisher import Publisher
@@ -71,8 +74,8 @@ class ShardLayout:
 
     specs: tuple[TensorSpec, ...]
     """Every tensor of the full model (names, full shapes, published dtype)."""
-    rows: dict[str, Rows]
-    """Tensors this rank carries, with the dim-0 rows of the full tensor it holds."""
+    rows: dict[str, Window]
+    """Tensors this rank carries, with the dim-0 rows (or ZeRO-3's flat elements) of the full tensor it holds."""
     whole: frozenset[str]
     """Tensors this rank carries whole (0-d tensors, published by rank 0)."""
 
@@ -94,9 +97,16 @@ def shard_layout(
             shard whose shape does not match its placement.
     """
     specs: list[TensorSpec] = []
-    rows: dict[str, Rows] = {}
+    rows: dict[str, Window] = {}
     whole: set[str] = set()
     for name, tensor in published_tensors(model):
+        if _is_zero3(tensor):  # DeepSpeed ZeRO-3: a flat slice of the flattened parameter
+            spec = TensorSpec(name, tuple(tensor.ds_shape), TensorSpec.of(name, tensor, dtype).dtype)
+            specs.append(spec)
+            elements = _zero3_elements(tensor, rank)
+            if elements.stop > elements.start:
+                rows[name] = elements
+            continue
         spec = TensorSpec.of(name, tensor, dtype)
         specs.append(spec)
         window = _rows_of(name, tensor, rank, world)
@@ -114,10 +124,26 @@ def shard_layout(
             if name in layout.whole:
                 out[name] = _local(tensor)
             elif name in layout.rows:
-                out[name] = _slice(name, tensor, layout.rows[name])
+                window = layout.rows[name]
+                if isinstance(window, Elements):
+                    out[name] = tensor.ds_tensor.detach().view(-1)[: window.stop - window.start]
+                else:
+                    out[name] = _slice(name, tensor, window)
         return out
 
     return layout, local
+
+
+def _is_zero3(tensor: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter: this rank holds ``ds_tensor``, a flat slice of it."""
+    return hasattr(tensor, "ds_tensor") and hasattr(tensor, "ds_shape") and hasattr(tensor, "partition_numel")
+
+
+def _zero3_elements(tensor: Any, rank: int) -> Elements:
+    """The flat elements of ``tensor`` that ZeRO-3 gives ``rank``: equal slices, the last ones short or empty."""
+    size, numel = int(tensor.partition_numel()), int(tensor.ds_numel)
+    start = min(rank * size, numel)
+    return Elements(start, min(start + size, numel))
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

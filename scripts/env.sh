@@ -30,3 +30,5 @@ if [ ! -x "$PY" ] || [ "$(cat "$VENV/.lock-hash" 2>/dev/null)" != "$want" ]; the
     echo "$want" > "$VENV/.lock-hash"
 fi
 export PATH="$VENV/bin:$PATH"
+# One-time C++ builds (DeepSpeed's shared-memory communication op, about 100 s) live with the venv.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"

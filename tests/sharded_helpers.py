@@ -1,7 +1,7 @@
 """What the trainer ranks of the sharded-publishing tests run (importable by spawned children).
 
 Each rank joins a gloo process group, builds the same small model, shards it
-with FSDP2 (``fully_shard``) or wraps it in DistributedDataParallel, trains a
+with FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3, or wraps it in DistributedDataParallel, trains a
 few AdamW steps on its own batches and publishes every step with
 :class:`~deltasync.sharded.ShardedPublisher`. After each publish every rank
 takes part in materialising the full weights (``full_tensor()``, a collective)
@@ -26,8 +26,30 @@ from tests.mp_helpers import digest, make_model
 LR = 1e-3  # large enough that a 10k-parameter model changes visibly every step
 
 
+def _zero3_engine(model: torch.nn.Module, rank: int) -> tuple[Any, Any]:
+    """A real DeepSpeed ZeRO-3 engine on CPU (gloo) around ``model``: each rank keeps a flat slice per parameter."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(rank)  # what a launcher would set; this rank joined the group already
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine, optimizer
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor (a collective for DTensors), names without DDP's prefix."""
+    """Every parameter as a full tensor (a collective for DTensors and ZeRO-3), names without DDP's prefix."""
+    if hasattr(model, "zero_optimization_partition_weights"):  # a DeepSpeed engine
+        import deepspeed
+
+        params = list(model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {name: param.detach().clone() for name, param in params}
     out = {}
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -105,10 +127,14 @@ def _publishing_rank(
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         published: Any = model
+    elif mode == "zero3":
+        model, optimizer = _zero3_engine(model, rank)
+        published = model.module
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         published = model.module
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    if mode != "zero3":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     digests: dict[int, str] = {}
     with ShardedPublisher(published, store, **options) as publisher:
         for step in range(steps + 1):
@@ -116,9 +142,13 @@ def _publishing_rank(
                 g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
                 x = torch.randn(8, 48, generator=g)
                 loss = (model(x) - x).pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                if mode == "zero3":
+                    model.backward(loss)
+                    model.step()
+                else:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
             before = publisher.version
             publisher.publish(step, block=True)  # block: one version per step, so digests map to versions
             try:
@@ -150,16 +180,20 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
     from deltasync.integrations import DeltaSyncCallback
 
     model = make_model(seed=0)
+    engine = None
     if mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    elif mode == "zero3":
+        engine, _ = _zero3_engine(model, rank)
+        model = engine.module  # what the HF Trainer hands its callbacks under DeepSpeed
     else:
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR) if engine is None else None
     callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
     state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
     callback.on_train_begin(None, state, None, model=model)
@@ -167,15 +201,21 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
     for step in range(1, steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(8, 48, generator=g)
-        (model(x) - x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if engine is not None:
+            engine.backward((engine(x) - x).pow(2).mean())
+            engine.step()
+        else:
+            (model(x) - x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
         state.global_step = step
         callback.on_step_end(None, state, None)
         callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
         callback.on_log(None, state, None, logs=logs)
     callback.on_train_end(None, state, None)
-    state_dict = full_state(model) if mode == "fsdp2" else fsdp1_state(model)
+    state_dict = {"fsdp2": lambda: full_state(model), "zero3": lambda: full_state(engine)}.get(
+        mode, lambda: fsdp1_state(model)
+    )()
     if rank == 0:
         torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
         Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))

@@ -244,8 +244,12 @@ def test_fuzzed_files_raise_only_typed_errors(data: st.DataObject) -> None:
 # ---------------------------------------------------------------------- shards (one file per trainer rank)
 
 
-def _shards(world: int, codec: str = "compact") -> tuple[list[bytes], list[bytes], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Anchor and delta shards of the golden weights, cut into ``world`` row chunks as ranks would."""
+def _shards(
+    world: int, codec: str = "compact", flat: bool = False
+) -> tuple[list[bytes], list[bytes], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Anchor and delta shards of the golden weights, cut into ``world`` row chunks as ranks would
+    (``flat``: equal flat element slices, as DeepSpeed ZeRO-3 partitions parameters)."""
+    from deltasync.format import Elements
     from deltasync.sharded import chunk_rows
     from deltasync.tensors import TensorSpec
 
@@ -253,10 +257,18 @@ def _shards(world: int, codec: str = "compact") -> tuple[list[bytes], list[bytes
     specs = tuple(TensorSpec.of(n, t) for n, t in base.items())
     anchors, deltas = [], []
     for rank in range(world):
-        rows = {n: chunk_rows(t.shape[0], world, rank) for n, t in base.items()}
-        rows = {n: r for n, r in rows.items() if r[1] > r[0]}
-        mine = {n: base[n][a:b] for n, (a, b) in rows.items()}
-        later = {n: target[n][a:b] for n, (a, b) in rows.items()}
+        if flat:
+            size = {n: -(-t.numel() // world) for n, t in base.items()}
+            rows = {n: Elements(min(rank * size[n], t.numel()), min((rank + 1) * size[n], t.numel()))
+                    for n, t in base.items()}
+            rows = {n: r for n, r in rows.items() if r.stop > r.start}
+            mine = {n: base[n].reshape(-1)[r.start : r.stop] for n, r in rows.items()}
+            later = {n: target[n].reshape(-1)[r.start : r.stop] for n, r in rows.items()}
+        else:
+            rows = {n: chunk_rows(t.shape[0], world, rank) for n, t in base.items()}
+            rows = {n: r for n, r in rows.items() if r[1] > r[0]}
+            mine = {n: base[n][a:b] for n, (a, b) in rows.items()}
+            later = {n: target[n][a:b] for n, (a, b) in rows.items()}
         anchors.append(encode_anchor(mine, version=1, model=specs, rows=rows))
         changes = diff(Snapshot.capture(mine), later)
         if changes.nnz:
@@ -264,12 +276,13 @@ def _shards(world: int, codec: str = "compact") -> tuple[list[bytes], list[bytes
     return anchors, deltas, base, target
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["rows", "elements"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("codec", ["compact", "raw"])
-def test_shards_join_into_exact_weights(world: int, codec: str) -> None:
+def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool) -> None:
     from deltasync.format import combine
 
-    anchors, deltas, base, target = _shards(world, codec)
+    anchors, deltas, base, target = _shards(world, codec, flat)
     replica = {n: torch.zeros_like(t) for n, t in base.items()}
     applier = TorchModuleApplier(replica)
     for files, whole in ((anchors, True), (deltas, False)):
@@ -298,6 +311,21 @@ def test_bad_rows_are_refused(rows: object) -> None:
     anchors, _, _, _ = _shards(2)
     bad = rebuild(anchors[0], edit_entry("embed.weight", rows=rows))
     with pytest.raises(DeltaFormatError, match="bad rows"):
+        read_header(bad)
+
+
+@pytest.mark.parametrize("elements", [[5, 3], [0, 97], [-1, 2], [0], "0:3", [True, 2], [0, 2.5]])
+def test_bad_elements_are_refused(elements: object) -> None:
+    anchors, _, _, _ = _shards(2, flat=True)
+    bad = rebuild(anchors[0], edit_entry("embed.weight", elements=elements))
+    with pytest.raises(DeltaFormatError, match="bad elements"):
+        read_header(bad)
+
+
+def test_rows_and_elements_together_are_refused() -> None:
+    anchors, _, _, _ = _shards(2, flat=True)
+    bad = rebuild(anchors[0], edit_entry("embed.weight", rows=[0, 1]))
+    with pytest.raises(DeltaFormatError, match="bad elements"):
         read_header(bad)
 
 

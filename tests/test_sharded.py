@@ -1,4 +1,4 @@
-"""Sharded publishing: FSDP2 and data-parallel ranks each upload their own shard, replicas end exact.
+"""Sharded publishing: FSDP2, DeepSpeed ZeRO-3 and data-parallel ranks each upload their own shard, replicas end exact.
 
 Real torch.distributed (gloo on CPU), 2 and 4 trainer processes, the loopback
 S3 server. A replica follows while the ranks train (every state it ever holds
@@ -9,6 +9,7 @@ for reference, bit for bit.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import uuid
@@ -45,7 +46,14 @@ def _run_ranks(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "world"), [("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("ddp", 2)])
+@pytest.mark.parametrize(
+    ("mode", "world"),
+    [
+        ("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("ddp", 2),
+        pytest.param("zero3", 2, marks=pytest.mark.skipif(
+            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")),
+    ],
+)
 def test_ranks_publish_shards_and_replicas_end_exact(mode: str, world: int, servers: Any, tmp_path: Path) -> None:
     s3 = servers["get"]("s3")
     url, options = s3.store_url(f"sharded-{uuid.uuid4().hex[:8]}"), s3.store_options()
@@ -119,10 +127,14 @@ def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(
+    "mode",
+    ["fsdp2", "fsdp1", pytest.param("zero3", marks=pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"))],
+)
 def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str, tmp_path: Path) -> None:
-    """DeltaSyncCallback's hooks on 2 FSDP ranks: FSDP2 publishes a shard per rank, FSDP1 gathers to
-    rank 0 (every rank takes part); rank 0 waits for the replica; the replica ends bit-exact."""
+    """DeltaSyncCallback's hooks on 2 sharded ranks: FSDP2 and ZeRO-3 publish a shard per rank, FSDP1
+    gathers to rank 0 (every rank takes part); rank 0 waits for the replica; the replica ends bit-exact."""
     url = str(tmp_path / "store")
     replica = make_model(seed=1).to(torch.bfloat16)
     stop = threading.Event()
@@ -150,7 +162,7 @@ def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str,
     for name, param in replica.named_parameters():
         assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
     manifest = Manifest.from_bytes(open_store(url).get("manifest.json"))
-    expected = {0, 1} if mode == "fsdp2" else {None}  # FSDP1: rank 0 publishes whole versions
+    expected = {0, 1} if mode in ("fsdp2", "zero3") else {None}  # FSDP1: rank 0 publishes whole versions
     assert all({r.rank for r in e.objects()} == expected for e in manifest.versions)
 
 

@@ -23,7 +23,7 @@ import torch
 from ..codec import DEFAULT_CODEC, get_codec
 from ..diff import ChangeSet, TensorChange
 from ..tensors import TensorSpec
-from .header import SAFETENSORS_DTYPES, Rows, entry_digest, entry_json, metadata_strings, slice_spec
+from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
 
 __all__ = ["DEFAULT_LEVEL", "encode_delta", "encode_anchor", "serialize", "as_numpy_bits"]
 
@@ -49,7 +49,7 @@ def encode_delta(
     level: int = DEFAULT_LEVEL,
     workers: int | None = None,
     model: Sequence[TensorSpec] | None = None,
-    rows: Mapping[str, Rows] | None = None,
+    rows: Mapping[str, Window] | None = None,
 ) -> bytes:
     """Serialize a change set as a delta file.
 
@@ -63,8 +63,9 @@ def encode_delta(
         workers (`int`, *optional*): encoding threads; defaults to the CPU count (at most 8).
         model (`Sequence[TensorSpec]`, *optional*): every tensor of the full model, when
             ``changes`` covers only one trainer rank's shard of it (see ``rows``).
-        rows (`Mapping[str, Rows]`, *optional*): for a shard: per tensor, the dim-0 rows of
-            the full tensor that ``changes`` was computed on (its specs are the slices).
+        rows (`Mapping[str, Window]`, *optional*): for a shard: per tensor, the dim-0 rows (or
+            flat :class:`Elements`) of the full tensor that ``changes`` was computed on (its specs
+            are the slices).
 
     Returns:
         `bytes`: one safetensors file.
@@ -96,16 +97,16 @@ def encode_delta(
     return serialize(tensors, meta)
 
 
-def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows: Mapping[str, Rows] | None) -> dict[str, TensorSpec]:
-    """The full-tensor spec of each carried tensor, checking that shard slices match their rows."""
+def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows: Mapping[str, Window] | None) -> dict[str, TensorSpec]:
+    """The full-tensor spec of each carried tensor, checking that shard slices match their windows."""
     by_name = {s.name: s for s in model}
     out = {}
     for local in carried:
         spec = by_name.get(local.name, local)
         window = (rows or {}).get(local.name)
         if window is not None:
-            if not spec.shape or not 0 <= window[0] <= window[1] <= spec.shape[0] or slice_spec(spec, window) != local:
-                raise ValueError(f"{local.name}: slice {local} does not match rows {window} of {spec}")
+            if not window_fits(spec, window) or slice_spec(spec, window) != local:
+                raise ValueError(f"{local.name}: slice {local} does not match window {window} of {spec}")
         elif spec != local:
             raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")
         out[local.name] = spec
@@ -194,7 +195,7 @@ def encode_anchor(
     *,
     version: int,
     model: Sequence[TensorSpec] | None = None,
-    rows: Mapping[str, Rows] | None = None,
+    rows: Mapping[str, Window] | None = None,
 ) -> bytes:
     """Serialize full tensors (in their published dtype) as an anchor file.
 
@@ -207,8 +208,8 @@ def encode_anchor(
         model (`Sequence[TensorSpec]`, *optional*): every tensor of the model, when
             ``source`` is one part of a larger anchor; fingerprint and ``numel``
             describe the whole model.
-        rows (`Mapping[str, Rows]`, *optional*): for a trainer rank's shard: per tensor,
-            the dim-0 rows of the full tensor that ``source`` holds.
+        rows (`Mapping[str, Window]`, *optional*): for a trainer rank's shard: per tensor,
+            the dim-0 rows (or flat :class:`Elements`) of the full tensor that ``source`` holds.
     """
     specs = tuple(TensorSpec.of(n, t) for n, t in source.items())
     full = _full_specs(tuple(model) if model is not None else specs, specs, rows)

@@ -28,7 +28,10 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "Kind",
     "Rows",
+    "Elements",
+    "Window",
     "slice_spec",
+    "window_fits",
     "TensorEntry",
     "Header",
     "entry_json",
@@ -64,9 +67,34 @@ Rows = tuple[int, int]
 """``[start, stop)`` along dim 0 of a tensor: the part of it one shard file carries."""
 
 
-def slice_spec(spec: TensorSpec, rows: Rows) -> TensorSpec:
-    """The spec of rows ``[start, stop)`` (dim 0) of the tensor ``spec`` describes."""
-    return TensorSpec(spec.name, (rows[1] - rows[0], *spec.shape[1:]), spec.dtype)
+@dataclass(frozen=True, slots=True)
+class Elements:
+    """``[start, stop)`` of a tensor's flat (row-major) elements: the part one shard file carries.
+
+    What a trainer rank holds under DeepSpeed ZeRO-3, which partitions each
+    flattened parameter into equal slices without regard to rows.
+    """
+
+    start: int
+    stop: int
+
+
+Window = Rows | Elements
+"""The part of a tensor a shard file carries: dim-0 rows, or a flat element range."""
+
+
+def slice_spec(spec: TensorSpec, window: Window) -> TensorSpec:
+    """The spec of one window of the tensor ``spec`` describes: rows keep the row shape, elements are 1-D."""
+    if isinstance(window, Elements):
+        return TensorSpec(spec.name, (window.stop - window.start,), spec.dtype)
+    return TensorSpec(spec.name, (window[1] - window[0], *spec.shape[1:]), spec.dtype)
+
+
+def window_fits(spec: TensorSpec, window: Window) -> bool:
+    """Whether ``window`` lies inside the tensor ``spec`` describes."""
+    if isinstance(window, Elements):
+        return 0 <= window.start <= window.stop <= spec.numel
+    return bool(spec.shape) and 0 <= window[0] <= window[1] <= spec.shape[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +109,10 @@ class TensorEntry:
     """Elements that changed since the base version (all, for anchors)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Codec parameters."""
-    rows: Rows | None = None
-    """For a shard written by one trainer rank: the dim-0 rows of the full tensor this
-    file carries (indices and values are relative to the first); ``None``: all of it."""
+    rows: Window | None = None
+    """For a shard written by one trainer rank: the dim-0 rows (or, as :class:`Elements`,
+    the flat elements) of the full tensor this file carries (indices and values are
+    relative to the first); ``None``: all of it."""
     sha256: str | None = None
     """Hex SHA-256 of the tensor's entry bytes, in entry-name order: lets a reader that
     range-reads only some tensors verify them (files written before it have none)."""
@@ -98,6 +127,8 @@ class TensorEntry:
         """Flat index in the full tensor of the first element carried."""
         if self.rows is None:
             return 0
+        if isinstance(self.rows, Elements):
+            return self.rows.start
         return self.rows[0] * (self.spec.numel // self.spec.shape[0] if self.spec.shape[0] else 0)
 
     @property
@@ -141,11 +172,13 @@ def entry_json(
     codec: str,
     nnz: int,
     params: dict[str, Any],
-    rows: Rows | None = None,
+    rows: Window | None = None,
     sha256: str | None = None,
 ) -> dict[str, Any]:
     out = {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
-    if rows is not None:
+    if isinstance(rows, Elements):
+        out["elements"] = [int(rows.start), int(rows.stop)]
+    elif rows is not None:
         out["rows"] = [int(rows[0]), int(rows[1])]
     if sha256 is not None:
         out["sha256"] = sha256
@@ -268,6 +301,17 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         ):
             raise DeltaFormatError(f"{name}: bad rows {rows!r} for shape {shape}")
         rows = (rows[0], rows[1])
+    elements = raw.get("elements")
+    if elements is not None:
+        if (
+            rows is not None
+            or not isinstance(elements, list)
+            or len(elements) != 2
+            or not all(isinstance(e, int) and not isinstance(e, bool) for e in elements)
+            or not 0 <= elements[0] <= elements[1] <= spec.numel
+        ):
+            raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
+        rows = Elements(elements[0], elements[1])
     entry = TensorEntry(spec, str(raw["codec"]), 0, {}, rows)
     if not isinstance(nnz, int) or not 0 <= nnz <= entry.local_spec.numel:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")

@@ -53,8 +53,11 @@ Distributed training:
   the main process first waits for the previous upload (which had a training
   step to finish), because a coalesced publish would be redone outside the
   gather. Tested with real FSDP1 on 2 gloo ranks.
-- DeepSpeed ZeRO-3 is refused at ``on_train_begin`` with
-  ``NotImplementedError`` naming the ways out, and so are PEFT models
+- DeepSpeed ZeRO-3: as FSDP2, every rank publishes the flat parameter slices
+  it holds (``ds_tensor``) through :class:`~deltasync.sharded.ShardedPublisher`,
+  with no gather. Tested with a real ZeRO-3 engine on 2 gloo ranks publishing
+  directly; the callback path under ``accelerate launch`` has not been run.
+- PEFT models are refused at ``on_train_begin`` with ``NotImplementedError``
   (replicas would need merged weights).
 """
 
@@ -181,7 +184,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = _sharding(model)
-        if kind == "fsdp2":  # every rank publishes its shard (collectives: all ranks take part)
+        if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
             if self.publisher is None:
                 from ..sharded import ShardedPublisher
 
@@ -418,7 +421,7 @@ def _server_version(url: str, run_id: str | None) -> int | None:
 
 
 def _sharding(model: Any) -> str | None:
-    """``"fsdp2"`` (DTensor parameters), ``"fsdp1"`` (FSDP-wrapped modules) or ``None``; refuse the rest."""
+    """``"fsdp2"`` (DTensor parameters), ``"zero3"`` (DeepSpeed ZeRO-3), ``"fsdp1"`` (FSDP-wrapped) or ``None``."""
     if hasattr(model, "peft_config"):
         raise NotImplementedError(
             "DeltaSyncCallback does not merge PEFT adapters: replicas would receive adapter tensors their "
@@ -426,19 +429,12 @@ def _sharding(model: Any) -> str | None:
         )
     found = None
     for name, param in model.named_parameters():
-        kind = None
         if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
             found = "fsdp2"
-        elif hasattr(param, "ds_id") or hasattr(param, "ds_numel"):
-            kind = "DeepSpeed ZeRO-3"
+        elif hasattr(param, "ds_tensor") and hasattr(param, "ds_numel"):
+            found = "zero3"  # DeepSpeed ZeRO-3: every rank publishes its flat slices, as under FSDP2
         elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
             found = "fsdp1"
-        if kind is not None:
-            raise NotImplementedError(
-                f"DeltaSyncCallback does not support {kind} (parameter {name!r}): its partitioned parameters "
-                "cannot be gathered here. Use FSDP2 (fully_shard; each rank then publishes its own shard), FSDP1, "
-                "DDP, or publish a gathered state dict from your own loop (Publisher(state_dict, store))."
-            )
     return found
 
 
