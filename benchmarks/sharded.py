@@ -18,6 +18,16 @@ the table shows. Writes ``benchmarks/results/sharded.json``.
 
     python benchmarks/sharded.py                       # worlds 1 2 4, 200M elements, 1 %
     python benchmarks/sharded.py --quick               # 20M elements, worlds 1 2
+    python benchmarks/sharded.py --zero3               # DeepSpeed ZeRO-3, 2 ranks: slices vs gathering
+
+``--zero3`` builds the model under DeepSpeed's ``zero.Init`` on 2 ranks (each
+holds a flat fp32 slice of every parameter), changes ``--density`` of every
+slice per version, and publishes it two ways, each in fresh processes: every
+rank diffs and uploads its own slices (:class:`~deltasync.sharded.ShardedPublisher`),
+or the ranks gather each parameter in turn (``GatheredParameters``) so that
+rank 0 holds a bf16 copy of the whole model and publishes it with the plain
+:class:`~deltasync.Publisher`. Per rank: publish time to commit (median over
+versions) and peak resident memory above what the rank held before publishing.
 """
 
 from __future__ import annotations
@@ -136,7 +146,13 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--quick", action="store_true", help="20M elements, worlds 1 2, 3 versions")
     parser.add_argument("--out", default=None, help="directory for the JSON (default: benchmarks/results)")
+    parser.add_argument("--zero3", action="store_true", help="DeepSpeed ZeRO-3 on 2 ranks: slices vs gathering")
     args = parser.parse_args()
+    if args.zero3:
+        if args.params == 200_000_000:
+            args.params = 50_000_000
+        zero3(args)
+        return
     if args.quick:
         args.params, args.worlds, args.versions = 20_000_000, [1, 2], 3
     global ARGS
@@ -189,6 +205,106 @@ def main() -> None:
 
 
 ARGS: argparse.Namespace
+
+
+# ---------------------------------------------------------------------- DeepSpeed ZeRO-3
+
+
+def _zero3_rank(rank: int, world: int, init: str, path: str, args: argparse.Namespace, url: str, out: str) -> None:
+    """One ZeRO-3 rank: build the partitioned model, then publish ``args.versions`` versions by ``path``."""
+    import resource
+
+    import psutil
+    import torch.distributed as dist
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        rows = max(1, args.params // TENSORS // 1024)
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = torch.nn.Sequential(*[torch.nn.Linear(1024, rows, bias=False) for _ in range(TENSORS)])
+        params = list(model.named_parameters())
+        before = psutil.Process().memory_info().rss
+        times = []
+        publisher: Any = None
+        if path == "slices":
+            from deltasync.sharded import ShardedPublisher
+
+            publisher = ShardedPublisher(model, url, anchor_every=10_000, anchor_ratio=1e9)
+        for version in range(args.versions + 1):
+            if version:
+                g = torch.Generator().manual_seed(1000 * version + rank)
+                for _, p in params:  # an optimizer step: this rank's slice changes
+                    flat = p.ds_tensor.data.view(-1)
+                    idx = torch.randint(0, flat.numel(), (int(flat.numel() * args.density),), generator=g)
+                    flat[idx] += 0.01
+            dist.barrier()
+            started = time.perf_counter()
+            if path == "slices":
+                publisher.publish(version, block=True)
+                publisher.flush()
+            else:
+                full = {}
+                for name, p in params:  # every rank takes part in each gather; rank 0 keeps a bf16 copy
+                    with deepspeed.zero.GatheredParameters([p]):
+                        if rank == 0:
+                            full[name] = p.detach().to(torch.bfloat16).clone()
+                if rank == 0:
+                    if publisher is None:
+                        from deltasync.publisher import Publisher
+
+                        publisher = Publisher(full, url, anchor_every=10_000, anchor_ratio=1e9)
+                    else:
+                        for name, t in full.items():
+                            publisher.model[name].copy_(t)
+                    publisher.publish(version, block=True)
+                    publisher.flush()
+                dist.barrier()
+            times.append(time.perf_counter() - started)
+        if publisher is not None:
+            publisher.close()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        Path(out, f"{path}-rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "publish_s": times[1:], "anchor_s": times[0],
+            "rss_before_publishing": before, "peak_rss": peak, "peak_above_before": peak - before,
+        }))
+    finally:
+        dist.destroy_process_group()
+
+
+def zero3(args: argparse.Namespace) -> None:
+    """Slices vs gathering under DeepSpeed ZeRO-3 on 2 ranks; writes ``results/sharded_zero3.json``."""
+    import torch.multiprocessing as mp
+
+    world, results, rows = 2, {}, []
+    for path in ("slices", "gather"):
+        with tempfile.TemporaryDirectory(prefix="deltasync-zero3-") as tmp:
+            mp.start_processes(
+                _zero3_rank, args=(world, f"file://{tmp}/rendezvous", path, args, os.path.join(tmp, "store"), tmp),
+                nprocs=world, start_method="spawn", join=True,
+            )
+            ranks = [json.loads(Path(tmp, f"{path}-rank{r}.json").read_text()) for r in range(world)]
+        results[path] = ranks
+        rows.append([
+            path, f"{1e3 * median([max(r['publish_s'][i] for r in ranks) for i in range(args.versions)]):.0f} ms",
+            f"{max(r['anchor_s'] for r in ranks):.2f} s",
+            " / ".join(human_bytes(r["peak_above_before"]) for r in ranks),
+        ])
+    path = write_json("sharded_zero3", {
+        "machine": machine(), "params": args.params, "density": args.density, "versions": args.versions,
+        "world": world, "paths": results,
+    }, results_dir(False, args.out))
+    print(f"\nDeepSpeed ZeRO-3, {world} ranks, {args.params / 1e6:.0f}M fp32 parameters, "
+          f"{100 * args.density:g} % of each slice changed per version (medians over {args.versions})")
+    print(table(rows, ["path", "delta publish to commit (slowest rank)", "first (anchor) publish",
+                       "peak memory above the model, rank 0 / rank 1"]))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
