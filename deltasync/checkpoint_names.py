@@ -20,10 +20,12 @@ module and kept while the module lives.
 
 Limitations:
 
-- Only parameters of a plain, unsharded transformers model are converted; a
-  DTensor, a non-contiguous parameter, or a checkpoint tensor that combines
-  several parameters keeps the module's own names (logged), and a replica
-  that loaded the checkpoint then refuses the run with ``FingerprintMismatch``.
+- Only plain, unsharded transformers models are converted: a model with a
+  DTensor, ZeRO-3 or non-contiguous parameter, or a checkpoint tensor that
+  combines several parameters, keeps the module's own names (the last case
+  logged), and a replica that loaded a checkpoint with other names then
+  refuses the run with ``FingerprintMismatch``. Sharded dense models are
+  unaffected: their names are their checkpoint's.
 - The learning pass allocates one int32 (int64 past 2**31 elements) index
   tensor the size of the largest converted parameter, once.
 """
@@ -88,22 +90,23 @@ def _learn(model: torch.nn.Module) -> dict[str, View] | None:
     except ImportError:
         return None
     params = dict(model.named_parameters())
+    if not all(_convertible(p) for p in params.values()):
+        # Sharded parameters (DTensor, DeepSpeed ZeRO-3 slices) are published by the sharded path,
+        # which needs the parameters themselves; fused layouts there keep their module names.
+        return None
     meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in params.items()}
     try:
         converted = revert_weight_conversion(model, dict(meta))
     except Exception as exc:  # an architecture transformers cannot revert: publish its own names
         logger.warning("deltasync: publishing module names; transformers could not name the checkpoint (%s)", exc)
         return None
-    if list(converted) == list(params) and all(converted[n] is meta[n] for n in params):
-        return None
+    if converted.keys() == params.keys() and all(converted[n] is meta[n] for n in params):
+        return None  # the module's names are its checkpoint's (in whatever order)
     plan: dict[str, View] = {}
     for name, param in params.items():
         if name in converted and converted[name] is meta[name]:
             plan[name] = View(name, tuple(param.shape), tuple(param.stride()), 0)
             continue
-        if not _convertible(param):
-            logger.warning("deltasync: publishing module names; %s is sharded or not contiguous", name)
-            return None
         views = _probe(model, name, param)
         if views is None:
             logger.warning("deltasync: publishing module names; %s is not a view in the checkpoint", name)
@@ -114,7 +117,13 @@ def _learn(model: torch.nn.Module) -> dict[str, View] | None:
 
 
 def _convertible(param: torch.Tensor) -> bool:
-    return type(param.data) is torch.Tensor and param.is_contiguous() and param.device.type != "meta"
+    """A plain, whole, contiguous parameter (not a DTensor, not a ZeRO-3 slice holder, not on meta)."""
+    return (
+        type(param.data) is torch.Tensor
+        and not hasattr(param, "ds_tensor")
+        and param.is_contiguous()
+        and param.device.type != "meta"
+    )
 
 
 def _probe(model: torch.nn.Module, name: str, param: torch.Tensor) -> dict[str, View] | None:

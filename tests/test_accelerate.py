@@ -1,0 +1,94 @@
+"""A real ``accelerate launch`` of TRL's GRPOTrainer under DeepSpeed ZeRO-3, followed by a vLLM server replica.
+
+Two trainer processes (DeepSpeed 0.19 on CPU, gloo) train SmolLM2-135M with
+GRPO, generating through a vLLM server (module form, deltasync worker
+extension) that a deltasync follower keeps current from a local store. Every
+rank publishes the parameter slices it holds; nothing is gathered for the sync.
+At the end the server's weights, read back through its index map, equal the
+trainer's final weights (gathered once, for the check) bit for bit, and the
+run's logs carry deltasync's metrics.
+
+FSDP2 is not run this way here: accelerate 1.15 enables its FSDP plugin only
+on accelerator devices and falls back to plain multi-process CPU training
+(``tests/test_sharded.py`` drives the callback on real FSDP2 ranks instead).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not all(importlib.util.find_spec(m) is not None for m in ("trl", "vllm", "datasets", "deepspeed", "accelerate")),
+        reason="needs trl, vllm, datasets, deepspeed and accelerate",
+    ),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_grpo_under_accelerate_launch_zero3_reaches_the_server_exactly(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    from deltasync.appliers.vllm_follower import VLLMFollower, checkpoint_specs
+    from deltasync.models import smollm2_checkpoint
+    from tests.test_trl import _example
+    from tests.vllm_helpers import assert_engine_exact
+
+    example = _example()
+    model_dir = smollm2_checkpoint()
+    store, final = str(tmp_path / "run"), tmp_path / "final.safetensors"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    with (
+        open(tmp_path / "server.log", "wb") as log,
+        example.start_server(model_dir, example.free_port(), log=log) as url,
+        example.start_follower(store, url, model_dir, replica_id="replica-0", log=log) as follower,
+    ):
+        launch = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             str(ROOT / "examples" / "accelerate" / "zero3.yaml"), str(ROOT / "examples" / "grpo_delta_sync.py"),
+             "train", "--store", store, "--server", url, "--steps", "2", "--model", str(model_dir),
+             "--output-dir", str(tmp_path / "out"), "--save-final", str(final)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        )
+        output = launch.stdout + launch.stderr
+        (tmp_path / "launch.log").write_text(output)
+        assert launch.returncode == 0, output[-6000:]
+        assert follower.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        assert "2 process(es), DistributedType.DEEPSPEED" in output, output[-3000:]
+        reader = VLLMFollower(url, model=model_dir)
+        _wait_for_last_version(reader, store)
+        names = {s.name for s in checkpoint_specs(model_dir)}
+        weights = {n: t for n, t in safetensors.torch.load_file(str(final)).items() if n in names}
+        assert set(weights) == names
+        assert_engine_exact(reader, weights)
+    # One object per rank per version: the ranks published their own slices.
+    from deltasync.keys import MANIFEST_KEY
+    from deltasync.manifest import Manifest
+    from deltasync.stores import open_store
+
+    manifest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY))
+    assert all({r.rank for r in e.objects()} == {0, 1} for e in manifest.versions)
+    assert "deltasync/bytes" in output
+
+
+def _wait_for_last_version(reader: Any, store: str, timeout: float = 120.0) -> None:
+    import time
+
+    from deltasync.keys import MANIFEST_KEY
+    from deltasync.manifest import Manifest
+    from deltasync.stores import open_store
+
+    latest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY)).latest
+    deadline = time.monotonic() + timeout
+    while reader.engine_version() != latest:
+        assert time.monotonic() < deadline, f"the server did not reach v{latest}"
+        time.sleep(0.5)
