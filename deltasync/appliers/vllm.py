@@ -105,6 +105,7 @@ class DeltaSyncWorkerExtension:
             else:
                 with _checkpoint_reader(_engine_checkpoint(self, checkpoint)) as loaded, torch.no_grad():
                     proof = prove_map(index, loaded).as_dict()
+        reached = {t.param_name for targets in index.targets.values() for t in targets}
         packed = packed_layer_names(model)
         if packed:
             logger.warning(
@@ -120,6 +121,8 @@ class DeltaSyncWorkerExtension:
             "tables": index.table_params(),
             "layouts": index.layouts(),
             "proof": proof,
+            # Runtime parameters no checkpoint element reaches: deltas could never update them.
+            "unreached": sorted(set(params) - reached),
             "map_ms": mapped_ms,
             "ms": 1e3 * (time.perf_counter() - started),
         }

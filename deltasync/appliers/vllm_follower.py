@@ -410,6 +410,11 @@ def _check_proofs(answers: list[dict[str, Any]]) -> None:
     """Raise :class:`LayoutMismatch` naming every runtime parameter some rank could not prove."""
     failed: dict[str, str] = {}
     for answer in answers:
+        for param in answer.get("unreached", []):
+            failed[param] = (
+                "no checkpoint element reaches it through the weight loaders, so deltas could never "
+                "update it (a parameter derived from the weights, or one the probe could not reach)"
+            )
         proof = answer.get("proof")
         if isinstance(proof, dict):
             failed.update(proof.get("failed", {}))
