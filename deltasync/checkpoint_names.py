@@ -70,9 +70,11 @@ def checkpoint_plan(model: torch.nn.Module) -> dict[str, View] | None:
 def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]] | None:
     """``(checkpoint name, view)`` of every published tensor, or ``None`` when nothing is converted."""
     plan = checkpoint_plan(model)
+    params = dict(model.named_parameters())
+    if plan is not None and any(view.source not in params for view in plan.values()):
+        _PLANS[model] = plan = _learn(model)  # the module changed in place (an adapter was wrapped in)
     if plan is None:
         return None
-    params = dict(model.named_parameters())
 
     def views() -> Iterator[tuple[str, torch.Tensor]]:
         for name, view in plan.items():

@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "deltasync.subscriber": 7,
     "deltasync.appliers": 8,
     "deltasync.models": 8,
+    "deltasync.peft": 8,
     "deltasync.integrations": 9,
     "deltasync.demo": 9,
     "deltasync.cli": 10,

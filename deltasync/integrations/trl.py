@@ -57,8 +57,8 @@ Distributed training:
   it holds (``ds_tensor``) through :class:`~deltasync.sharded.ShardedPublisher`,
   with no gather. Tested with a real ZeRO-3 engine on 2 gloo ranks publishing
   directly; the callback path under ``accelerate launch`` has not been run.
-- PEFT models are refused at ``on_train_begin`` with ``NotImplementedError``
-  (replicas would need merged weights).
+- PEFT LoRA models publish their merged weights in the base checkpoint's names
+  (:mod:`deltasync.peft`), computed without writing the trainer's; not when sharded.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from typing import Any, Literal, NoReturn
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
+from ..peft import publishable
 from ..publisher import Publisher, PublishInfo
 from ..stores import Store
 from ..subscriber import read_acks
@@ -184,6 +185,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = _sharding(model)
+        weights = publishable(model, sharded=kind is not None, options=self.publisher_options)  # PEFT: merged
         if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
             if self.publisher is None:
                 from ..sharded import ShardedPublisher
@@ -194,7 +196,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         elif not state.is_world_process_zero:
             return  # one writer per run prefix: the world's main process
         elif self.publisher is None:
-            self.publisher = Publisher(model, self.store, on_publish=self._collect, **self.publisher_options)
+            self.publisher = Publisher(weights, self.store, on_publish=self._collect, **self.publisher_options)
         self._publish(state.global_step)  # the anchor every replica can start from
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -422,11 +424,6 @@ def _server_version(url: str, run_id: str | None) -> int | None:
 
 def _sharding(model: Any) -> str | None:
     """``"fsdp2"`` (DTensor parameters), ``"zero3"`` (DeepSpeed ZeRO-3), ``"fsdp1"`` (FSDP-wrapped) or ``None``."""
-    if hasattr(model, "peft_config"):
-        raise NotImplementedError(
-            "DeltaSyncCallback does not merge PEFT adapters: replicas would receive adapter tensors their "
-            "checkpoint does not have. Merge first, or publish merged weights from your own loop."
-        )
     found = None
     for name, param in model.named_parameters():
         if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":

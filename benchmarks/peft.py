@@ -1,0 +1,182 @@
+"""LoRA training on SmolLM2-135M: bytes per version of merged-weight deltas vs the adapter itself.
+
+SmolLM2-135M-Instruct with fp32 masters, wrapped in a PEFT LoRA adapter on every
+linear layer of the decoder (``target_modules="all-linear"``: q, k, v, o, gate,
+up, down; the tied ``lm_head`` is left alone), ``lora_alpha = 2 * r`` (the same
+scale at every rank), B initialised to zero as PEFT does. AdamW on the adapter
+only, a few steps on four short texts, one version published per step. For
+every learning rate and rank, the bytes of one version as:
+
+- (i) ``merged``: the sparse delta deltasync publishes from
+  :class:`deltasync.peft.MergedWeights` (default codec), which a replica that
+  loaded the *base* checkpoint applies in place;
+- (ii) ``adapter``: every LoRA A and B matrix in bf16, what shipping the
+  adapter itself as a vLLM LoRA costs per version;
+- (iii) ``adapter delta``: a deltasync delta of those A/B tensors against the
+  previous version (same codec);
+- (iv) ``dense``: the whole model in bf16.
+
+Medians over the versions after the first (the first step moves B away from
+zero; it is reported separately) and the last version: a merged delta grows as
+B does (``delta W = s * (dB A + B dA + dB dA)``), so it is measured early in a
+run here. The publisher's anchor policy may add anchors; they are counted, not
+added to the bytes. Each configuration ends with a replica (a
+bf16 copy of the base model, no PEFT) caught up from the store and compared bit
+for bit with PEFT's own ``merge_and_unload()``. Writes
+``benchmarks/results/peft.json`` and prints a table.
+
+    python benchmarks/peft.py                # lr 1e-5, 1e-4, 1e-3 x rank 8, 16, 64; 8 steps each (about 2 min)
+    python benchmarks/peft.py --quick        # lr 1e-4, rank 8, 2 steps (results in a temp dir)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# This file is named like the peft package: keep its folder behind site-packages on the import path.
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
+sys.path.insert(0, str(ROOT.parent))  # tests.vllm_helpers (the texts)
+
+import torch  # noqa: E402
+from _common import human_bytes, median, results_dir, shared_machine, table, write_json  # noqa: E402
+
+LRS = (1e-5, 1e-4, 1e-3)
+RANKS = (8, 16, 64)
+STEPS = 8
+
+
+def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
+    """Train one LoRA configuration, publishing merged weights and the adapter; return bytes per version."""
+    import peft
+
+    from deltasync import Publisher, Subscriber
+    from deltasync.appliers import TorchModuleApplier
+    from deltasync.models import load_smollm2
+    from deltasync.peft import MergedWeights
+    from deltasync.stores import MemoryStore
+    from deltasync.tensors import published_tensors
+    from tests.vllm_helpers import TEXTS
+
+    torch.manual_seed(0)
+    base, tokenizer = load_smollm2(dtype=torch.float32)
+    replica = copy.deepcopy(base).to(torch.bfloat16)  # loaded the base checkpoint, knows nothing of LoRA
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(base, config)
+    adapter = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    opt = torch.optim.AdamW(list(adapter.values()), lr=lr)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+
+    merged_store, adapter_store = MemoryStore(f"merged-{lr}-{rank}"), MemoryStore(f"adapter-{lr}-{rank}")
+    merged = MergedWeights(model)
+    adapted = sum(p.numel() for n, p in model.named_parameters() if n.endswith("base_layer.weight"))
+    versions: list[dict[str, Any]] = []
+    infos: dict[str, list[Any]] = {"merged": [], "adapter_delta": []}
+    with Publisher(merged, merged_store, on_publish=infos["merged"].append) as pub, Publisher(
+        adapter, adapter_store, on_publish=infos["adapter_delta"].append
+    ) as pub_adapter:
+        pub.publish(0, block=True)
+        pub_adapter.publish(0, block=True)
+        for step in range(1, steps + 1):
+            model.train()
+            model(**batch, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            row: dict[str, Any] = {"step": step}
+            for what, publisher in (("merged", pub), ("adapter_delta", pub_adapter)):
+                moved = publisher.publish(step, block=True)  # False: no published bit changed, nothing to send
+                publisher.flush()
+                # The version's delta; the publisher may also have written an anchor after it (its policy).
+                delta = [i for i in infos[what] if i.kind == "delta" and i.version == publisher.version]
+                info = delta[0] if moved else None
+                row[f"{what}_bytes"], row[f"{what}_changed"] = (info.bytes, info.nnz) if info else (0, 0)
+                row[f"{what}_diff_s"] = info.t_diff if info else None
+            row["merged_changed_of_adapted"] = row["merged_changed"] / adapted
+            versions.append(row)
+    started = time.perf_counter()
+    Subscriber(merged_store, TorchModuleApplier(replica)).update()
+    catch_up_s = time.perf_counter() - started
+    reference = dict(published_tensors(copy.deepcopy(model).merge_and_unload()))
+    exact = all(
+        torch.equal(t.view(torch.int16), reference[n].detach().to(torch.bfloat16).view(torch.int16))
+        for n, t in published_tensors(replica)
+    )
+    numel = sum(t.numel() for _, t in published_tensors(replica))
+    return {
+        "lr": lr,
+        "rank": rank,
+        "lora_alpha": 2 * rank,
+        "adapted_elements": adapted,
+        "adapter_elements": sum(p.numel() for p in adapter.values()),
+        "adapter_bytes": 2 * sum(p.numel() for p in adapter.values()),
+        "dense_bytes": 2 * numel,
+        "versions": versions,
+        "first": versions[0],
+        "median_merged_bytes": median([v["merged_bytes"] for v in versions[1:]] or [versions[0]["merged_bytes"]]),
+        "median_adapter_delta_bytes": median(
+            [v["adapter_delta_bytes"] for v in versions[1:]] or [versions[0]["adapter_delta_bytes"]]
+        ),
+        "median_changed_of_adapted": median([v["merged_changed_of_adapted"] for v in versions[1:]] or [0.0]),
+        "anchors_after_v0": sum(i.kind == "anchor" and i.version > 0 for i in infos["merged"]),
+        "median_merged_diff_s": median([v["merged_diff_s"] for v in versions if v["merged_diff_s"] is not None] or [0]),
+        "replica_catch_up_s": catch_up_s,
+        "replica_exact": exact,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="lr 1e-4, rank 8, 2 steps; results in a temp dir")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--out", help="results directory")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    lrs, ranks, steps = ((1e-4,), (8,), 2) if args.quick else (LRS, RANKS, args.steps)
+    load = os.getloadavg()
+    started = time.perf_counter()
+    results = []
+    for lr in lrs:
+        for rank in ranks:
+            t0 = time.perf_counter()
+            results.append(run(lr, rank, steps))
+            r = results[-1]
+            print(f"lr {lr:g} rank {rank}: merged {human_bytes(r['median_merged_bytes'])}, adapter "
+                  f"{human_bytes(r['adapter_bytes'])}, exact {r['replica_exact']} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+    payload = {
+        "benchmark": "peft",
+        "model": "SmolLM2-135M-Instruct (fp32 masters), LoRA all-linear, lora_alpha = 2r, AdamW on the adapter",
+        "steps": steps,
+        "seconds": time.perf_counter() - started,
+        "machine": shared_machine(load, "bytes do not depend on load; diff times do"),
+        "results": results,
+    }
+    path = write_json("peft", payload, results_dir(args.quick, args.out))
+    rows = [
+        [
+            f"{r['lr']:g}", r["rank"], human_bytes(r["median_merged_bytes"]),
+            human_bytes(r["versions"][-1]["merged_bytes"]), f"{100 * r['median_changed_of_adapted']:.1f} %",
+            human_bytes(r["adapter_bytes"]), human_bytes(r["median_adapter_delta_bytes"]),
+            human_bytes(r["dense_bytes"]), f"{r['median_merged_bytes'] / r['adapter_bytes']:.2f}",
+            r["anchors_after_v0"], f"{1000 * r['median_merged_diff_s']:.0f} ms", "yes" if r["replica_exact"] else "NO",
+        ]
+        for r in results
+    ]
+    header = ["lr", "rank", "(i) merged delta", "last version", "adapted elements changed", "(ii) adapter bf16",
+              "(iii) adapter delta", "(iv) dense bf16", "(i) / (ii)", "anchors", "merge + diff", "replica exact"]
+    print(table(rows, header))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
