@@ -26,8 +26,9 @@ from tests.mp_helpers import digest, make_model
 LR = 1e-3  # large enough that a 10k-parameter model changes visibly every step
 
 
-def _zero3_engine(model: torch.nn.Module, rank: int) -> tuple[Any, Any]:
-    """A real DeepSpeed ZeRO-3 engine on CPU (gloo) around ``model``: each rank keeps a flat slice per parameter."""
+def _zero3_engine(model: torch.nn.Module, rank: int, stage: int = 3) -> tuple[Any, Any]:
+    """A real DeepSpeed ZeRO engine on CPU (gloo) around ``model``: under stage 3 each rank keeps a flat
+    slice per parameter; under stages 1 and 2 every rank holds every parameter (optimizer state is split)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher would set; this rank joined the group already
     import deepspeed
@@ -35,7 +36,7 @@ def _zero3_engine(model: torch.nn.Module, rank: int) -> tuple[Any, Any]:
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
     }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -127,13 +128,14 @@ def _publishing_rank(
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         published: Any = model
-    elif mode == "zero3":
-        model, optimizer = _zero3_engine(model, rank)
+    elif mode in ("zero1", "zero2", "zero3"):
+        model, optimizer = _zero3_engine(model, rank, stage=int(mode[-1]))
         published = model.module
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         published = model.module
-    if mode != "zero3":
+    deepspeed = mode.startswith("zero")
+    if not deepspeed:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     digests: dict[int, str] = {}
     with ShardedPublisher(published, store, **options) as publisher:
@@ -142,7 +144,7 @@ def _publishing_rank(
                 g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
                 x = torch.randn(8, 48, generator=g)
                 loss = (model(x) - x).pow(2).mean()
-                if mode == "zero3":
+                if deepspeed:
                     model.backward(loss)
                     model.step()
                 else:

@@ -50,8 +50,8 @@ def _run_ranks(
     ("mode", "world"),
     [
         ("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("ddp", 2),
-        pytest.param("zero3", 2, marks=pytest.mark.skipif(
-            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")),
+        *[pytest.param(f"zero{stage}", 2, marks=pytest.mark.skipif(
+            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")) for stage in (1, 2, 3)],
     ],
 )
 def test_ranks_publish_shards_and_replicas_end_exact(mode: str, world: int, servers: Any, tmp_path: Path) -> None:
