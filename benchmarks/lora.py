@@ -25,8 +25,8 @@ bf16 copy of the base model, no PEFT) caught up from the store and compared bit
 for bit with PEFT's own ``merge_and_unload()``. Writes
 ``benchmarks/results/peft.json`` and prints a table.
 
-    python benchmarks/peft.py                # lr 1e-5, 1e-4, 1e-3 x rank 8, 16, 64; 8 steps each (about 2 min)
-    python benchmarks/peft.py --quick        # lr 1e-4, rank 8, 2 steps (results in a temp dir)
+    python benchmarks/lora.py                # lr 1e-5, 1e-4, 1e-3 x rank 8, 16, 64; 8 steps each (about 2 min)
+    python benchmarks/lora.py --quick        # lr 1e-4, rank 8, 2 steps (results in a temp dir)
 """
 
 from __future__ import annotations
