@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .errors import DeltaFormatError, IntegrityError
-from .format import SAFETENSORS_DTYPES, Header, raw_header, read_header
+from .format import SAFETENSORS_DTYPES, Header, header_of, raw_header
 from .manifest import ObjectRef
 from .stores import Store
 
@@ -84,11 +84,11 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
     if len(head) != size or hashlib.sha256(head).hexdigest() != digest:
         raise IntegrityError(f"{ref.key}: header bytes differ from the manifest's hash", key=ref.key)
     layout = raw_header(head)
-    header = read_header(head)
+    header = header_of(layout)
     names = tuple(name for name in header.tensors if wanted(name))
     keys = _entry_keys(header, layout, names, ref.key)
     spans = {key: _span(layout[key], ref.size - size, key, ref.key) for ks in keys.values() for key in ks}
-    chunks, requests = _read_spans(store, ref.key, size, sorted(spans.values()), gap)
+    chunks, requests, body_read = _read_spans(store, ref.key, size, sorted(spans.values()), gap)
     entries: dict[str, torch.Tensor] = {}
     for name in names:
         expected = header.tensors[name].sha256
@@ -101,8 +101,7 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
             entries[key] = _tensor(raw, layout[key])
         if h.hexdigest() != expected:
             raise IntegrityError(f"{ref.key}: bytes of {name} differ from the header's hash", key=ref.key, name=name)
-    return Fetched(header, names, entries, size + sum(b - a for a, b in _merge(sorted(spans.values()), gap)),
-                   requests + 1)
+    return Fetched(header, names, entries, size + body_read, requests + 1)
 
 
 def _entry_keys(header: Header, layout: dict, names: tuple[str, ...], key: str) -> dict[str, list[str]]:
@@ -147,8 +146,8 @@ def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
 
 def _read_spans(
     store: Store, key: str, base: int, spans: list[tuple[int, int]], gap: int
-) -> tuple[dict[tuple[int, int], bytes], int]:
-    """Every span's bytes, read in merged requests; and the number of requests."""
+) -> tuple[dict[tuple[int, int], bytes], int, int]:
+    """Every span's bytes, read in merged requests; the number of requests and the bytes they read."""
     merged = [span for span in _merge(spans, gap) if span[1] > span[0]]
 
     def read(span: tuple[int, int]) -> bytes:
@@ -171,7 +170,7 @@ def _read_spans(
             at += 1
     for a, b in spans[at:]:  # empty entries past the last request
         out[(a, b)] = b""
-    return out, len(merged)
+    return out, len(merged), sum(stop - start for start, stop in merged)
 
 
 def _tensor(raw: bytes, info: dict) -> torch.Tensor:

@@ -4,9 +4,9 @@ With FSDP2 / DTensor (parameters sharded along dim 0) each rank diffs the rows
 it holds against its own published snapshot of those rows and uploads one delta
 object; with DeepSpeed ZeRO-3 (each flattened parameter cut into equal flat
 slices, ``param.ds_tensor``) each rank does the same with its slice, carried as
-a flat element range (``elements`` in the file's header). With plain data parallelism (every rank holds every parameter) the
-ranks split each tensor's rows between them, so the diff, encode and upload work
-is divided too. Nothing of the model is gathered: rank 0 collects only the
+a flat element range (``elements`` in the file's header). With plain data
+parallelism (every rank holds every parameter) the ranks split each tensor's
+rows between them, so the diff, encode and upload work is divided too. Nothing of the model is gathered: rank 0 collects only the
 object references (a few hundred bytes per rank) and commits the version, whose
 manifest entry lists one object per rank (``ObjectRef.rank``); each tensor
 entry in an object's header names the rows of the full tensor it carries.
@@ -52,7 +52,7 @@ from .publisher import Publisher
 from .stores import Store
 from .tensors import TensorSpec, published_tensors
 
-__all__ = ["ShardedPublisher", "ShardLayout", "shard_layout", "chunk_rows"]
+__all__ = ["ShardedPublisher", "ShardLayout", "shard_layout", "chunk_rows", "is_zero3"]
 
 logger = logging.getLogger("deltasync.sharded")
 
@@ -100,7 +100,7 @@ def shard_layout(
     rows: dict[str, Window] = {}
     whole: set[str] = set()
     for name, tensor in published_tensors(model):
-        if _is_zero3(tensor):  # DeepSpeed ZeRO-3: a flat slice of the flattened parameter
+        if is_zero3(tensor):  # DeepSpeed ZeRO-3: a flat slice of the flattened parameter
             spec = TensorSpec(name, tuple(tensor.ds_shape), TensorSpec.of(name, tensor, dtype).dtype)
             specs.append(spec)
             elements = _zero3_elements(tensor, rank)
@@ -134,7 +134,7 @@ def shard_layout(
     return layout, local
 
 
-def _is_zero3(tensor: torch.Tensor) -> bool:
+def is_zero3(tensor: torch.Tensor) -> bool:
     """A DeepSpeed ZeRO-3 parameter: this rank holds ``ds_tensor``, a flat slice of it."""
     return hasattr(tensor, "ds_tensor") and hasattr(tensor, "ds_shape") and hasattr(tensor, "partition_numel")
 

@@ -164,7 +164,7 @@ class TestProof:
         assert check_written(index, [patch]) == (3, [])
         index.targets["w"][0].param.data.view(-1)[7] = 0.0  # a write that did not land
         checked, wrong = check_written(index, [patch])
-        assert checked == 3 and len(wrong) == 1 and "runtime.w" in wrong[0]
+        assert checked == 3 and len(wrong) == 1 and wrong[0]["param"] == "runtime.w" and wrong[0]["wrong"] == 1
         assert check_written(index, [patch], samples=0) == (0, [])
 
 

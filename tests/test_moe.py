@@ -11,20 +11,15 @@ trainer's weights. A map that does not know the packing is refused at start-up.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm)"),
-]
-
-from deltasync.errors import LayoutMismatch  # noqa: E402
-from deltasync.publisher import Publisher  # noqa: E402
-from tests.vllm_helpers import (  # noqa: E402
+from deltasync.errors import LayoutMismatch
+from deltasync.publisher import Publisher
+from tests.vllm_helpers import (
+    VLLM_TESTS,
     Trainer,
     assert_engine_exact,
     engine,
@@ -33,6 +28,8 @@ from tests.vllm_helpers import (  # noqa: E402
     save_checkpoint,
     tiny_qwen3_moe,
 )
+
+pytestmark = VLLM_TESTS
 
 PACKED = "vllm-cpu-packed-experts"
 

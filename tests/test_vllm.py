@@ -6,7 +6,6 @@ per module and the file stays within a few minutes.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm)"),
-]
-
-from deltasync.appliers.wire import pack  # noqa: E402
-from deltasync.errors import FingerprintMismatch, IntegrityError  # noqa: E402
-from deltasync.format import Header  # noqa: E402
-from deltasync.publisher import Publisher  # noqa: E402
-from tests.vllm_helpers import (  # noqa: E402
+from deltasync.appliers.wire import pack
+from deltasync.errors import FingerprintMismatch, IntegrityError
+from deltasync.format import Header
+from deltasync.publisher import Publisher
+from tests.vllm_helpers import (
+    VLLM_TESTS,
     Trainer,
     assert_engine_exact,
     engine,
@@ -33,6 +28,8 @@ from tests.vllm_helpers import (  # noqa: E402
     save_checkpoint,
     tiny_qwen3,
 )
+
+pytestmark = VLLM_TESTS
 
 
 @pytest.fixture(scope="module")

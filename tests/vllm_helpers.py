@@ -6,6 +6,7 @@ vLLM starts its engine with spawn; nothing here runs at import time.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 from collections.abc import Iterator
@@ -13,10 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from deltasync.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import open_store
+
+VLLM_TESTS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm)"),
+]
+"""The marks of a test module that starts real vLLM engines."""
 
 EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "One, two, three,"]

@@ -47,6 +47,7 @@ __all__ = [
     "plan_patches",
     "write_patches",
     "read_bits",
+    "read_through",
     "checked_indices",
     "bits_numpy_dtype",
 ]
@@ -191,19 +192,30 @@ def read_bits(index: IndexMap, payload: Payload) -> dict[str, dict[str, np.ndarr
     return out
 
 
+def read_through(target: Target, idx: torch.Tensor, published: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``target``'s share of checkpoint flat indices ``idx``, read through its layout.
+
+    Returns:
+        `tuple`: positions into ``idx`` (``None``: all of them) and their bit patterns, on the CPU.
+    """
+    data = target.param.data
+    pos, runtime = target.translate(idx.to(data.device))
+    bits = target.layout.read(data, runtime, published).cpu()
+    return (None if pos is None else pos.cpu()), bits
+
+
 def _read(targets: list[Target], spec: TensorSpec, idx: torch.Tensor) -> dict[str, np.ndarray]:
     pos_all, bits_all = [], []
     covered = torch.zeros(idx.numel(), dtype=torch.bool) if len(targets) > 1 else None
     for target in targets:
-        data = target.param.data
-        pos, runtime = target.translate(idx.to(data.device))
-        pos_cpu = torch.arange(idx.numel()) if pos is None else pos.cpu()
+        pos, bits = read_through(target, idx, spec.torch_dtype)
+        pos_cpu = torch.arange(idx.numel()) if pos is None else pos
         if covered is not None:  # an element replicated in two places is read once
             fresh = ~covered[pos_cpu]
-            pos_cpu, runtime = pos_cpu[fresh], runtime[fresh.to(runtime.device)]
+            pos_cpu, bits = pos_cpu[fresh], bits[fresh]
             covered[pos_cpu] = True
         pos_all.append(pos_cpu)
-        bits_all.append(target.layout.read(data, runtime, spec.torch_dtype).cpu())
+        bits_all.append(bits)
     return {
         "pos": torch.cat(pos_all).numpy() if pos_all else np.zeros(0, np.int64),
         "bits": torch.cat(bits_all).numpy() if bits_all else np.zeros(0, bits_numpy_dtype(spec)),

@@ -137,7 +137,7 @@ def _positions(data: torch.Tensor, runtime: torch.Tensor) -> torch.Tensor:
     isa = _ISA_AT.get(data.data_ptr())
     if isa is None:
         raise RuntimeError("deltasync: a packed expert parameter was replaced since its map was built")
-    experts, n, k = data.shape
+    _, n, k = data.shape
     size = n * k
     perm = prepack_permutation((n, k), data.dtype, isa).to(runtime.device)
     within = runtime % size

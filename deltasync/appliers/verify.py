@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tensors import bits_view
-from .apply import Patch
+from .apply import Patch, read_through
 from .mapping import IndexMap, Target
 
 __all__ = ["Proof", "prove_map", "check_written", "PROOF_CHUNK", "VERIFY_SAMPLES"]
@@ -100,22 +100,18 @@ def prove_map(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> 
 
 def _count_wrong(target: Target, expected: torch.Tensor, published: torch.dtype) -> int:
     """Elements of ``target`` whose bits read through its layout differ from ``expected`` (flat bits)."""
-    data = target.param.data
     wrong = 0
     for start in range(0, expected.numel(), PROOF_CHUNK):
         idx = torch.arange(start, min(start + PROOF_CHUNK, expected.numel()), dtype=torch.int64)
-        pos, runtime = target.translate(idx.to(data.device))
-        if pos is not None and not pos.numel():
-            continue
-        got = target.layout.read(data, runtime, published).cpu()
-        want = expected[idx] if pos is None else expected[idx[pos.cpu()]]
+        pos, got = read_through(target, idx, published)
+        want = expected[idx] if pos is None else expected[idx[pos]]
         wrong += int((got != want).sum())
     return wrong
 
 
 def check_written(
     index: IndexMap, patches: Sequence[Patch], *, samples: int = VERIFY_SAMPLES, seed: int = 0
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[dict[str, object]]]:
     """Read ``patches`` back through ``index`` after a write: whole tensors fully, sparse ones sampled.
 
     Args:
@@ -123,10 +119,12 @@ def check_written(
         seed (`int`): seeds a private generator (the engine's own RNG is never touched).
 
     Returns:
-        `tuple[int, list[str]]`: elements read back, and one line per tensor that reads back wrong.
+        `tuple[int, list[dict]]`: elements read back, and per (tensor, runtime parameter) that reads
+        back wrong: ``{"tensor", "param", "wrong", "read"}`` (JSON-able, for the RPC answer).
     """
     generator = torch.Generator().manual_seed(seed)
-    checked, wrong = 0, []
+    wrong: list[dict[str, object]] = []
+    checked = 0
     for patch in patches:
         if patch.indices is None:
             idx = torch.arange(patch.spec.numel, dtype=torch.int64)
@@ -139,14 +137,10 @@ def check_written(
             pick = torch.randint(0, patch.indices.numel(), (samples,), generator=generator)
             idx, values = patch.indices[pick], patch.values[pick]
         for target in index.targets[patch.name]:
-            data = target.param.data
-            pos, runtime = target.translate(idx.to(data.device))
-            if pos is not None and not pos.numel():
-                continue
-            got = target.layout.read(data, runtime, patch.spec.torch_dtype).cpu()
-            want = values if pos is None else values[pos.cpu()]
+            pos, got = read_through(target, idx, patch.spec.torch_dtype)
+            want = values if pos is None else values[pos]
             checked += int(got.numel())
             bad = int((got != want).sum())
             if bad:
-                wrong.append(f"{patch.name} in {target.param_name}: {bad} of {got.numel()} read back wrong")
+                wrong.append({"tensor": patch.name, "param": target.param_name, "wrong": bad, "read": int(got.numel())})
     return checked, wrong

@@ -290,12 +290,14 @@ class VLLMFollower:
                 answers = self._rpc(
                     "deltasync_apply", pack(batch, text=self._engine.text), version if last else None, self.verify
                 )
-                wrong = [line for a in answers for line in a.get("wrong", [])]
+                wrong = [w for a in answers for w in a.get("wrong", [])]
                 if wrong:
+                    lines = [f"{w['tensor']} in {w['param']}: {w['wrong']} of {w['read']} read back wrong"
+                             for w in wrong]
                     raise LayoutMismatch(
                         f"version {version}: patches read back wrong right after they were written, so the "
-                        f"engine is not exact; restart it: {'; '.join(wrong[:5])}",
-                        name=wrong[0].split(" in ")[-1].split(":")[0],
+                        f"engine is not exact; restart it: {'; '.join(lines[:5])}",
+                        name=wrong[0]["param"],
                     )
                 totals["ms"] += max(a["ms"] for a in answers)
                 totals["verify_ms"] += max(a.get("verify_ms", 0.0) for a in answers)

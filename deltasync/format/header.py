@@ -40,6 +40,7 @@ __all__ = [
     "header_ref",
     "raw_header",
     "read_header",
+    "header_of",
     "check_compatible",
 ]
 
@@ -248,7 +249,12 @@ def read_header(data: bytes | memoryview) -> Header:
         `DeltaFormatError`: the file is not a deltasync file of a supported version,
             or its metadata is malformed.
     """
-    meta = raw_header(data).get("__metadata__")
+    return header_of(raw_header(data))
+
+
+def header_of(raw: dict[str, Any]) -> Header:
+    """:func:`read_header` for a safetensors header already parsed by :func:`raw_header`."""
+    meta = raw.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise DeltaFormatError("not a deltasync file: metadata 'format' is not 'deltasync'")
     try:

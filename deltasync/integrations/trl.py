@@ -78,6 +78,7 @@ from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
 from ..peft import publishable
 from ..publisher import Publisher, PublishInfo
+from ..sharded import is_zero3
 from ..stores import Store
 from ..subscriber import read_acks
 
@@ -428,7 +429,7 @@ def _sharding(model: Any) -> str | None:
     for name, param in model.named_parameters():
         if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
             found = "fsdp2"
-        elif hasattr(param, "ds_tensor") and hasattr(param, "ds_numel"):
+        elif is_zero3(param):
             found = "zero3"  # DeepSpeed ZeRO-3: every rank publishes its flat slices, as under FSDP2
         elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
             found = "fsdp1"
