@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import TensorMismatch
-from .tensors import TensorSpec, bits_view, published_tensors
+from .tensors import TensorSpec, bits_view, published_dtype, published_tensors
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DENSE_FRACTION"]
 
@@ -125,14 +125,16 @@ class Snapshot:
         Args:
             source (`nn.Module` or `Mapping[str, Tensor]`): the trainer's weights.
             dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): the
-                published dtype; ``None`` publishes each tensor in its own dtype.
+                published dtype; ``None`` publishes each tensor in its own dtype (as do the
+                tensors a source names in ``own_dtype``, see :func:`~deltasync.tensors.published_dtype`).
             device (*optional*): where to keep the copy; defaults to each tensor's device.
         """
         copies = {}
         for name, tensor in published_tensors(source):
             # Always contiguous, in logical (row-major) order, whatever the live tensor's strides:
             # flat indices mean the same thing on both sides of the wire.
-            copy = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=device or tensor.device)
+            kind = published_dtype(source, name, tensor, dtype)
+            copy = torch.empty(tensor.shape, dtype=kind, device=device or tensor.device)
             copies[name] = copy.copy_(tensor.detach())
         return cls(copies)
 

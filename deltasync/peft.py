@@ -74,7 +74,7 @@ import torch
 from .checkpoint_names import View, checkpoint_plan
 from .errors import ConfigError, require
 
-__all__ = ["MergedWeights", "is_peft_model", "publishable"]
+__all__ = ["MergedWeights", "is_peft_model"]
 
 # The tuner a PeftConfig names for LoRA (peft.PeftType.LORA); every other one is refused.
 LORA = "LORA"
@@ -83,28 +83,6 @@ LORA = "LORA"
 def is_peft_model(model: Any) -> bool:
     """Whether ``model`` carries PEFT adapters (a ``PeftModel``, or a transformers model with adapters loaded)."""
     return hasattr(model, "peft_config")
-
-
-def publishable(model: Any, *, sharded: bool = False, options: Mapping[str, Any] | None = None) -> Any:
-    """What a trainer publishes for ``model``: its :class:`MergedWeights` if it is a PEFT model, else the model.
-
-    Args:
-        model: the trainer's model.
-        sharded (`bool`, *optional*): the parameters are sharded (FSDP, ZeRO-3): refused for PEFT models.
-        options (`Mapping`, *optional*): the publisher's options; their ``dtype`` is the merged tensors' dtype.
-
-    Raises:
-        `ConfigError`: a PEFT model that cannot be published as merged weights (see the module doc).
-    """
-    if not is_peft_model(model):
-        return model
-    if sharded:
-        raise ConfigError(
-            "a PEFT model is published as its merged weights, computed from whole base weights; sharded "
-            "parameters (FSDP, DeepSpeed ZeRO-3) are not supported: train the LoRA model unsharded",
-            argument="model",
-        )
-    return MergedWeights(model, dtype=(options or {}).get("dtype", torch.bfloat16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +125,8 @@ class MergedWeights(Mapping[str, torch.Tensor]):
         model: a ``peft.PeftModel`` with LoRA adapters (or a transformers model with LoRA adapters loaded).
         dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): dtype of the merged tensors handed
             out: the :class:`~deltasync.Publisher`'s ``dtype`` (``None``: the base weight's own dtype).
+        merge (`bool`, *optional*, defaults to `True`): ``False`` hands out the LoRA layers' frozen base
+            weights instead (zero copy): the base half of a LoRA run's adapter form (:mod:`deltasync.lora`).
 
     Raises:
         `ConfigError`: a tuner, layer or weight tying that merged weights cannot express (see the module doc).
@@ -159,7 +139,7 @@ class MergedWeights(Mapping[str, torch.Tensor]):
         ```
     """
 
-    def __init__(self, model: Any, *, dtype: torch.dtype | None = torch.bfloat16) -> None:
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = torch.bfloat16, merge: bool = True) -> None:
         require("peft", "peft")
         if not is_peft_model(model):
             raise ConfigError(f"{type(model).__name__} has no PEFT adapters: publish it directly", argument="model")
@@ -174,6 +154,7 @@ class MergedWeights(Mapping[str, torch.Tensor]):
                 )
         self.model = model
         self.dtype = dtype
+        self.merge = merge
         self._embedding = require("peft.tuners.lora", "peft").Embedding  # merges with a cast first
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._sources = _checkpoint_names(base, _Walk().run(base))
@@ -215,7 +196,7 @@ class MergedWeights(Mapping[str, torch.Tensor]):
                 "unmerge_adapter() first (deltasync merges into a copy and never needs merge_adapter())"
             )
         weights = layer.lora_embedding_A if embedding else layer.lora_A
-        adapters = [a for a in layer.active_adapters if a in weights]
+        adapters = [a for a in layer.active_adapters if a in weights] if self.merge else []
         _check_variants(layer, adapters, name)
         if source.attr == "bias":
             adapters = [a for a in adapters if layer.lora_bias.get(a)]

@@ -47,11 +47,12 @@ from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with 
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch
 from .format import DEFAULT_LEVEL, Window, encode_anchor, encode_delta, header_ref
+from .forms import Forms, smallest
 from .keys import anchor_part_key, anchor_prefix, delta_key
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
 from .publish_options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, check_options
 from .stores import Store, open_store
-from .tensors import TensorSpec, fingerprint, published_tensors
+from .tensors import TensorSpec, fingerprint, published_dtype, published_tensors
 
 __all__ = ["Publisher", "PublishInfo", "PublisherStats", "ORPHAN_GRACE_S", "sweep_orphans"]
 
@@ -83,6 +84,8 @@ class PublishInfo:
     """From ``publish()`` to the manifest commit."""
     coalesced: int
     """Publishes skipped since the previous commit (covered by this one)."""
+    form: str | None = None
+    """The form the version was published in, for sources with several (:mod:`deltasync.forms`)."""
 
     @property
     def sparsity(self) -> float:
@@ -182,11 +185,14 @@ class Publisher:
         self._coalesced_now = 0
         self._anchor_version = 0
         self._since_anchor = 0
+        self._form: str | None = None  # the form of the newest committed version (sources with several)
         self._closed = False
         self._opened = threading.Event()  # set by the worker once the first open has finished
         # What the model is, read now: the worker opens the prefix later, when the caller's tensors
         # may be sharded again (FSDP1 gathers them only around each publish).
-        self._model_specs = tuple(TensorSpec.of(n, t, dtype) for n, t in published_tensors(model))
+        self._model_specs = tuple(
+            TensorSpec.of(n, t, published_dtype(model, n, t, dtype)) for n, t in published_tensors(model)
+        )
         # Set by ShardedPublisher: this rank's slice of a larger model.
         self._specs: tuple[TensorSpec, ...] | None = None  # the full model, when sharded
         self._rows: dict[str, Window] | None = None  # dim-0 rows (or flat elements) this rank carries
@@ -260,12 +266,12 @@ class Publisher:
             t_diff = time.perf_counter() - started
             job = lambda: self._commit_first_anchor(snapshot, step, started, t_diff)  # noqa: E731
         else:
-            changes = diff(self._snapshot, self.model, chunk=self.chunk)
+            form, changes = self._diff()
             t_diff = time.perf_counter() - started
             if changes.nnz == 0:
                 self._dirty = False
                 return False  # the latest version already holds these weights
-            job = lambda: self._commit_delta(changes, step, started, t_diff)  # noqa: E731
+            job = lambda: self._commit_delta(changes, step, started, t_diff, form)  # noqa: E731
         coalesced, self.stats.coalesced = self.stats.coalesced, 0
         self._dirty, self._pending_step = False, None
         self._inflight = self._pool.submit(self._guard, job, coalesced)
@@ -338,6 +344,13 @@ class Publisher:
         self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
         return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank, header_ref(data))
 
+    def _diff(self) -> tuple[str | None, ChangeSet]:
+        """The changes since the last version; of the smallest form when the model has several."""
+        assert self._snapshot is not None
+        if isinstance(self.model, Forms):
+            return smallest(self._snapshot, self.model, chunk=self.chunk, prefer=self._form)
+        return None, diff(self._snapshot, self.model, chunk=self.chunk)
+
     def _encode_delta(self, changes: ChangeSet, version: int) -> bytes:
         return encode_delta(
             changes, version=version, base_version=version - 1, codec=self.codec, level=self.level,
@@ -360,10 +373,14 @@ class Publisher:
         self._commits.commit_version(VersionEntry(version, step=step, time=time.time(), nnz=numel, anchor=refs), refs)
         self._snapshot = snapshot
         self._anchor_version, self._since_anchor = version, 0
+        # A source with several forms is captured as its first one (its mapping view).
+        self._form = next(iter(self.model.forms()), None) if isinstance(self.model, Forms) else None
         t_upload = time.perf_counter() - t0 - t_encode
-        self._report(version, step, "anchor", numel, refs, t_diff, t_encode, t_upload, started)
+        self._report(version, step, "anchor", numel, refs, t_diff, t_encode, t_upload, started, self._form)
 
-    def _commit_delta(self, changes: ChangeSet, step: int | None, started: float, t_diff: float) -> None:
+    def _commit_delta(
+        self, changes: ChangeSet, step: int | None, started: float, t_diff: float, form: str | None = None
+    ) -> None:
         assert self._manifest is not None and self._snapshot is not None
         version = self._manifest.latest + 1  # type: ignore[operator]
         t0 = time.perf_counter()
@@ -374,8 +391,9 @@ class Publisher:
         self._commits.commit_version(entry, (ref,))
         self._snapshot.advance(changes)
         self._since_anchor += ref.size
+        self._form = form
         t_upload = time.perf_counter() - t0 - t_encode
-        self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, t_upload, started)
+        self._report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, t_upload, started, form)
         if self._anchor_due(version):
             self._commit_anchor(version, step)
 
@@ -427,19 +445,20 @@ class Publisher:
 
     def _report(
         self, version: int, step: int | None, kind: str, nnz: int, refs: tuple[ObjectRef, ...],
-        t_diff: float, t_encode: float, t_upload: float, started: float,
+        t_diff: float, t_encode: float, t_upload: float, started: float, form: str | None = None,
     ) -> None:
         numel = self._manifest.numel if self._manifest else 0
         info = PublishInfo(
             version, step, kind, nnz, numel, sum(r.size for r in refs), t_diff, t_encode, t_upload,
-            time.perf_counter() - started, self._coalesced_now if kind == "delta" else 0,
+            time.perf_counter() - started, self._coalesced_now if kind == "delta" else 0, form,
         )
         self.stats.published += 1
         self.stats.bytes += info.bytes
         self.stats.last = info
         logger.info(
-            "published v%d (%s, step %s): %d changed (sparsity %.3f %%), %s bytes, diff %.0f ms, total %.0f ms",
-            version, kind, step, nnz, 100 * info.sparsity, f"{info.bytes:,}", 1e3 * t_diff, 1e3 * info.t_total,
+            "published v%d (%s%s, step %s): %d changed (sparsity %.3f %%), %s bytes, diff %.0f ms, total %.0f ms",
+            version, kind, f", {form} form" if form else "", step, nnz, 100 * info.sparsity, f"{info.bytes:,}",
+            1e3 * t_diff, 1e3 * info.t_total,
         )
         if self.on_publish is not None:
             try:

@@ -21,6 +21,7 @@ __all__ = [
     "TensorSpec",
     "DTYPE_BY_NAME",
     "dtype_name",
+    "published_dtype",
     "bits_dtype",
     "bits_view",
     "check_publishable",
@@ -85,6 +86,20 @@ def check_publishable(name: str, tensor: torch.Tensor) -> None:
             "written one by one; pass a tensor with its own storage (tensor.contiguous())",
             argument=name,
         )
+
+
+def published_dtype(
+    source: object, name: str, tensor: torch.Tensor, dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype ``name`` is published in: ``dtype`` (``None``: the tensor's own).
+
+    A source may keep some tensors in their own dtype whatever ``dtype`` says, by
+    naming them in an ``own_dtype`` attribute (a LoRA run's adapter factors,
+    whose exact fp32 bits are what a replica loads: :mod:`deltasync.lora`).
+    """
+    if dtype is None or name in getattr(source, "own_dtype", ()):
+        return tensor.dtype
+    return dtype
 
 
 def dtype_from_name(name: str) -> torch.dtype:

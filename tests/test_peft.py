@@ -28,7 +28,8 @@ from deltasync.tensors import published_tensors
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'deltasync[peft]')")
 transformers = pytest.importorskip("transformers", reason="transformers missing (pip install 'deltasync[trl]')")
 
-from deltasync.peft import MergedWeights, publishable  # noqa: E402
+from deltasync.lora import publishable  # noqa: E402
+from deltasync.peft import MergedWeights  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # peft warns about tied weights and fan_in_fan_out
 VOCAB = 128

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+import safetensors
 import torch
 
 from ..errors import ConflictError, DeltaFormatError, TensorMismatch
@@ -44,6 +45,7 @@ from ..format import MAX_HEADER_BYTES, raw_header
 from ..tensors import DTYPE_BY_NAME, TensorSpec, dtype_name
 
 __all__ = [
+    "checkpoint_specs",
     "INDEX_FILE",
     "SINGLE_FILE",
     "LOCK_FILE",
@@ -278,3 +280,21 @@ def write_empty_checkpoint(path: str | os.PathLike[str], specs: Iterable[TensorS
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
+    """Names and shapes of a safetensors checkpoint directory, as published in ``dtype``.
+
+    Tied duplicates are absent from checkpoints written by ``save_pretrained``,
+    as from a trainer's ``named_parameters()``, so the fingerprints agree.
+    """
+    path = Path(directory)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {path}")
+    specs = []
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
+    return specs

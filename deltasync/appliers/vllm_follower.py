@@ -64,7 +64,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import safetensors
 import torch
 
 from ..codec import Decoded
@@ -73,10 +72,12 @@ from ..format import Header
 from ..options import check_int
 from ..stopping import run_until_signal
 from ..stores import Store, open_store
-from ..tensors import TensorSpec, dtype_name, fingerprint
+from ..tensors import fingerprint
 from .apply import check_header
+from .checkpoint_files import checkpoint_specs
 from .mapping import uncovered_elements
 from .verify import VERIFY_SAMPLES
+from .vllm_lora import AdapterHost
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
 from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine
 from .wire import pack, specs_to_json, unpack
@@ -100,24 +101,6 @@ RPC_BATCH_BYTES = 64 << 20  # split anchors into RPCs of about this size (JSON b
 RUN_LABEL_CHARS = 12  # run id characters in the version label: enough to tell runs apart, short in logs
 
 Mode = Literal["inflight", "pause"]
-
-
-def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Names and shapes of a safetensors checkpoint directory, as published in ``dtype``.
-
-    Tied duplicates are absent from checkpoints written by ``save_pretrained``,
-    as from a trainer's ``named_parameters()``, so the fingerprints agree.
-    """
-    path = Path(directory)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors checkpoint in {path}")
-    specs = []
-    for file in files:
-        with safetensors.safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
-    return specs
 
 
 def version_label(version: int, run_id: str | None) -> str:
@@ -161,6 +144,10 @@ class VLLMFollower:
         verify (`int`, *optional*, defaults to 256): after each apply, every rank reads back this many
             random positions of each changed tensor (anchors: every element) and compares them
             with what it wrote; ``0`` skips the sampled check. Its cost is in :attr:`last_apply`.
+        lora (*optional*): for a LoRA run published with ``lora="auto"`` or ``"adapter"``
+            (:mod:`deltasync.lora`): the adapter's ``LoraConfig`` or directory. The factors are held on the
+            host and served as a vLLM LoRA adapter (:mod:`.vllm_lora`): generate with
+            ``lora_request=follower.lora_request``. The engine needs ``enable_lora=True``.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
@@ -189,6 +176,7 @@ class VLLMFollower:
         pause_mode: str = "wait",
         dtype: torch.dtype = torch.bfloat16,
         verify: int = VERIFY_SAMPLES,
+        lora: Any = None,
     ) -> None:
         if mode not in ("inflight", "pause"):
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
@@ -199,7 +187,16 @@ class VLLMFollower:
         check_int("verify", verify, low=0)
         self.verify = verify
         self.model_dir = Path(model).resolve()
-        self.specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
+        self.engine_specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
+        """The checkpoint's tensors: what the engine holds."""
+        self.adapter: AdapterHost | None = None
+        """A LoRA run's factors, served as a LoRA adapter (``lora=``), else ``None``."""
+        if lora is not None:
+            if not isinstance(self._engine, InProcessEngine):
+                raise ConfigError("lora= needs an in-process LLM (server replicas: not yet)", argument="lora")
+            self.adapter = AdapterHost(engine, self.model_dir, lora)
+        self.specs = {**self.engine_specs, **(self.adapter.specs if self.adapter else {})}
+        """Every published tensor the follower takes: the engine's, and a LoRA run's factors."""
         self.fingerprint = fingerprint(self.specs.values())
         self.history: list[tuple[int, float]] = []
         """``(version, wall-clock time its apply finished)``, oldest first."""
@@ -223,9 +220,9 @@ class VLLMFollower:
         return self._engine.rpc(method, *args)
 
     def _init_workers(self) -> list[dict[str, Any]]:
-        answers = self._rpc("deltasync_init", specs_to_json(self.specs.values()), str(self.model_dir))
+        answers = self._rpc("deltasync_init", specs_to_json(self.engine_specs.values()), str(self.model_dir))
         _check_proofs(answers)
-        missing = uncovered_elements(self.specs, [answer["owned"] for answer in answers])
+        missing = uncovered_elements(self.engine_specs, [answer["owned"] for answer in answers])
         if missing:
             raise TensorMismatch(
                 f"no rank of the engine holds these checkpoint elements, so deltas to them could not be "
@@ -241,9 +238,14 @@ class VLLMFollower:
             )
         logger.info(
             "deltasync: vLLM engine mapped (%d ranks, %d tensors) in %.0f ms",
-            len(answers), len(self.specs), max(a["ms"] for a in answers),
+            len(answers), len(self.engine_specs), max(a["ms"] for a in answers),
         )
         return answers
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to generate with (``lora=`` runs), or ``None`` when the engine's weights serve alone."""
+        return self.adapter.request if self.adapter is not None else None
 
     def rank_tensors(self) -> dict[int, frozenset[str]]:
         """Per engine rank, the checkpoint tensors it holds elements of.
@@ -266,6 +268,8 @@ class VLLMFollower:
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current bits at ``indices`` of checkpoint tensor ``name``, merged across ranks."""
+        if self.adapter is not None and name in self.adapter.specs:
+            return self.adapter.lookup(name, indices)
         if not self._prefetched:
             self._prefetched = True
             self._bases = self._prefetch()
@@ -278,7 +282,8 @@ class VLLMFollower:
         """Write validated patches on every rank; then label the engine with the new version."""
         version = self._pending
         self._step, self._bases, self._prefetched = [], {}, False
-        batches = list(self._batches(decoded))
+        factors = {n: p for n, p in decoded.items() if n not in self.engine_specs}  # a LoRA run's adapter
+        batches = list(self._batches({n: p for n, p in decoded.items() if n in self.engine_specs}))
         paused = False
         try:
             if self.mode == "pause" or isinstance(self._engine, ServerEngine):
@@ -303,6 +308,8 @@ class VLLMFollower:
                 totals["verify_ms"] += max(a.get("verify_ms", 0.0) for a in answers)
                 totals["verified"] += sum(a.get("verified", 0) for a in answers)
             self.last_apply = totals
+            if self.adapter is not None:
+                self.adapter.apply(factors, version)
             # Cached KV blocks were computed with the old weights: no request may reuse them.
             self._engine.reset_prefix_cache()
             if version is not None:
@@ -348,7 +355,7 @@ class VLLMFollower:
 
     def _prefetch(self) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
         """Decode this step's changed indices from the tapped bytes; fetch every base in one call."""
-        pieces = changed_indices(self._step, self._tapped)
+        pieces = {n: p for n, p in changed_indices(self._step, self._tapped).items() if n in self.engine_specs}
         if not pieces:
             return {}
         bases = self._lookup_many({name: np.concatenate(found) for name, found in pieces.items()})
@@ -363,7 +370,7 @@ class VLLMFollower:
         answers = [unpack(a["data"]) for a in self._rpc("deltasync_lookup", payload)]
         out = {}
         for name, indices in wanted.items():
-            spec = self.specs[name]
+            spec = self.engine_specs[name]
             bits = np.zeros(len(indices), dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
             covered = np.zeros(len(indices), dtype=bool)
             for answer in answers:
@@ -396,7 +403,7 @@ class VLLMFollower:
 
     def gather(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""
-        spec = self.specs[name]
+        spec = self.engine_specs[name]
         bits = np.zeros(spec.numel, dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
         covered = np.zeros(spec.numel, dtype=bool)
         for answer in self._rpc("deltasync_gather", name, self._engine.text):

@@ -56,9 +56,12 @@ Distributed training:
 - DeepSpeed ZeRO-3: as FSDP2, every rank publishes the flat parameter slices
   it holds (``ds_tensor``) through :class:`~deltasync.sharded.ShardedPublisher`,
   with no gather. Tested with a real ZeRO-3 engine on 2 gloo ranks publishing
-  directly; the callback path under ``accelerate launch`` has not been run.
+  directly, and through this callback in a GRPO run under ``accelerate launch``
+  followed by a vLLM server replica (``tests/test_accelerate.py``).
 - PEFT LoRA models publish their merged weights in the base checkpoint's names
-  (:mod:`deltasync.peft`), computed without writing the trainer's; not when sharded.
+  (:mod:`deltasync.peft`), computed without writing the trainer's, or with
+  ``lora="auto"`` / ``"adapter"`` the adapter itself when that is smaller
+  (:mod:`deltasync.lora`); not when sharded.
 """
 
 from __future__ import annotations
@@ -74,9 +77,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
+from ..lora import LoraMode, publishable
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
-from ..peft import publishable
 from ..publisher import Publisher, PublishInfo
 from ..sharded import is_zero3
 from ..stores import Store
@@ -109,6 +112,10 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             at least this many, or these replica ids. ``None``: the vLLM server(s) registered with
             :meth:`watch_server` (the GRPO trainer registers its own), else every replica that acked this run.
         wait_timeout (`float`, *optional*, defaults to 600): seconds before a wait raises :class:`ReplicaTimeout`.
+        lora (`str`, *optional*, defaults to ``"merged"``): for a PEFT LoRA model, ``"merged"`` publishes the
+            merged weights (any replica of the base model follows), ``"auto"`` whichever of merged weights
+            and the adapter is smaller per version, ``"adapter"`` the adapter (:mod:`deltasync.lora`; replicas
+            are given the adapter's config). ``deltasync/adapter_form`` logs the share of adapter versions.
         publisher_options: passed to :class:`~deltasync.Publisher` (``codec``, ``anchor_every``, store options
             such as ``endpoint``...).
 
@@ -130,6 +137,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         max_staleness: int | None = None,
         replicas: int | Sequence[str] | None = None,
         wait_timeout: float = WAIT_TIMEOUT_S,
+        lora: LoraMode = "merged",
         **publisher_options: Any,
     ) -> None:
         check_int("every", every, low=1)
@@ -146,7 +154,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self.max_staleness, self.wait_timeout = max_staleness, wait_timeout
         self.replicas = None if replicas is None or isinstance(replicas, int) else list(replicas)
         self.min_replicas = replicas if isinstance(replicas, int) else None
-        self.publisher_options = publisher_options
+        self.publisher_options, self.lora = publisher_options, lora
         self.publisher: Publisher | None = None
         self.history: list[PublishInfo] = []
         """Every committed version's cost, oldest first (main process only)."""
@@ -186,7 +194,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = _sharding(model)
-        weights = publishable(model, sharded=kind is not None, options=self.publisher_options)  # PEFT: merged
+        weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
         if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
             if self.publisher is None:
                 from ..sharded import ShardedPublisher
@@ -338,6 +346,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             out["deltasync/diff_s"] = sum(i.t_diff for i in deltas) / n
             out["deltasync/publish_s"] = sum(i.t_total for i in deltas) / n
             out["deltasync/coalesced"] = sum(i.coalesced for i in deltas)
+            if any(i.form for i in deltas):  # a LoRA run with lora="auto" / "adapter"
+                out["deltasync/adapter_form"] = sum(i.form == "adapter" for i in deltas) / n
         anchors = [i for i in infos if i.kind == "anchor"]
         if anchors:
             out["deltasync/anchor_bytes"] = anchors[-1].bytes
