@@ -412,7 +412,8 @@ class Publisher:
         self._commits.attach_anchor(version, refs)
         self._anchor_version, self._since_anchor = version, 0
         numel = sum(s.numel for s in self._snapshot.specs)
-        self._report(version, step, "anchor", numel, refs, 0.0, t_encode, time.perf_counter() - t0 - t_encode, t0)
+        t_upload = time.perf_counter() - t0 - t_encode
+        self._report(version, step, "anchor", numel, refs, 0.0, t_encode, t_upload, t0, self._form)
 
     def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
         """Encode parts one after another while earlier parts upload."""
