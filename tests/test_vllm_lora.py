@@ -1,16 +1,21 @@
-"""A LoRA run followed by a real vLLM engine serving the adapter (vLLM's CPU LoRA), through both forms.
+"""A LoRA run followed by real vLLM engines serving the adapter (vLLM's CPU LoRA), through both forms.
 
 The trainer publishes :class:`deltasync.lora.LoraWeights` in ``"auto"`` mode:
 merged weights while its learning rate is small, the adapter itself once it is
-large. One engine (``enable_lora=True``) follows the whole run: its weights
-equal the published base names bit for bit at every version, and while the run
-is in adapter form it serves the adapter the follower wrote, whose tensors are
-bit-identical to the trainer's own ``save_pretrained`` and whose greedy tokens
-and logprobs equal those of that directory loaded into the same engine.
+large. An engine follows the whole run: its weights equal the published base
+names bit for bit at every version, and while the run is in adapter form it
+serves the adapter the follower wrote, whose tensors are bit-identical to the
+trainer's own ``save_pretrained`` and whose greedy tokens and logprobs equal
+those of that directory loaded into the same engine. Once in process
+(``LLM(enable_lora=True)``), once as a ``vllm serve`` server that loads each
+version's adapter in place under one name.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,46 +30,32 @@ peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'd
 pytestmark = [*VLLM_TESTS, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 RANK = 8
+TOKENS = 6
+Served = list[tuple[list[int], list[float]]]
 
 
-def generate(llm: Any, request: Any) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their logprobs, with ``request``'s adapter (``None``: the engine's weights alone)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
-    outs = llm.generate(PROMPTS, params, lora_request=request, use_tqdm=False)
-    return [
-        (list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-        for o in outs
-    ]
-
-
-def test_auto_lora_run_is_followed_merged_then_as_a_vllm_adapter(tmp_path: Path) -> None:
+def follow_auto_run(
+    base: Path, tmp_path: Path, make_follower: Callable[[Any], Any], check: Callable[[Any, str, Path], None]
+) -> list[str]:
+    """Train a LoRA model (3 steps at lr 1e-5, then 3 at 1e-2), publishing ``"auto"``; after each version
+    the follower holds it: engine weights exact, and ``check(follower, form, trainer_adapter_dir)``."""
     from safetensors.torch import load_file
-    from vllm.lora.request import LoRARequest
 
-    from deltasync.appliers.vllm_follower import VLLMFollower
     from deltasync.lora import WEIGHTS_NAME, LoraWeights
-    from deltasync.models import smollm2_checkpoint
 
-    base = tiny_qwen3(tmp_path / "tiny-qwen3", smollm2_checkpoint())
     trainer = Trainer(base)
     config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear")
     model = peft.get_peft_model(trainer.model, config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     weights = LoraWeights(model, mode="auto")
-    forms, infos = [], []
-    with (
-        engine(base, enable_lora=True, max_lora_rank=RANK, max_loras=2) as llm,
-        Publisher(weights, str(tmp_path / "run"), on_publish=infos.append) as publisher,
-    ):
+    forms: list[str] = []
+    with Publisher(weights, str(tmp_path / "run")) as publisher:
         publisher.publish(0, block=True)
-        follower = VLLMFollower(llm, model=base, lora=config)
+        follower = make_follower(config)
         subscriber = follower.subscriber(str(tmp_path / "run"))
         for step in range(1, 7):
-            if step == 4:  # a LoRA learning rate: the adapter becomes the smaller form
-                for group in opt.param_groups:
-                    group["lr"] = 1e-2
+            for group in opt.param_groups:  # from step 4 a LoRA learning rate: the adapter becomes smaller
+                group["lr"] = 1e-5 if step < 4 else 1e-2
             batch = trainer.batch
             model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss.backward()
             opt.step()
@@ -73,26 +64,83 @@ def test_auto_lora_run_is_followed_merged_then_as_a_vllm_adapter(tmp_path: Path)
             publisher.flush()
             subscriber.poll()
             assert subscriber.version == publisher.version
-            form = publisher.stats.last.form if publisher.stats.last.kind == "delta" else forms[-1]
-            forms.append(form)
-            expected = weights.forms()[form]
+            forms.append(publisher.stats.last.form)
+            expected = weights.forms()[forms[-1]]
             assert_engine_exact(follower, {n: expected[n].detach().to(torch.bfloat16) for n in follower.engine_specs})
-            if form == "merged":
-                assert follower.lora_request is None
-                continue
             saved = tmp_path / f"trainer-v{publisher.version}"
             model.save_pretrained(saved)
-            ours, theirs = load_file(follower.adapter.directory / WEIGHTS_NAME), load_file(saved / WEIGHTS_NAME)
-            assert ours.keys() == theirs.keys()
-            for name, tensor in theirs.items():
-                assert tensor.dtype == ours[name].dtype, name
-                assert torch.equal(tensor.view(torch.int32), ours[name].view(torch.int32)), name
-            reference = LoRARequest(f"trainer-v{publisher.version}", 1000 + publisher.version, str(saved))
-            served = generate(llm, follower.lora_request)
-            assert served == generate(llm, reference)
-            assert served != generate(llm, None)  # the adapter is in use
-            llm.llm_engine.remove_lora(reference.lora_int_id)
-        follower.adapter.close()
+            if forms[-1] == "adapter":
+                ours, theirs = load_file(follower.adapter.directory / WEIGHTS_NAME), load_file(saved / WEIGHTS_NAME)
+                assert ours.keys() == theirs.keys()
+                for name, tensor in theirs.items():
+                    assert tensor.dtype == ours[name].dtype, name
+                    assert torch.equal(tensor.view(torch.int32), ours[name].view(torch.int32)), name
+            check(follower, forms[-1], saved)
+        follower.close()
     assert forms[:3] == ["merged"] * 3 and forms[-1] == "adapter", forms
-    deltas = [i for i in infos if i.kind == "delta"]
-    assert deltas[-1].bytes < deltas[3].bytes  # the switch costs once, the adapter's versions after it less
+    return forms
+
+
+def test_in_process_engine_follows_merged_then_serves_the_adapter(tmp_path: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.models import smollm2_checkpoint
+
+    base = tiny_qwen3(tmp_path / "tiny-qwen3", smollm2_checkpoint())
+    with engine(base, enable_lora=True, max_lora_rank=RANK, max_loras=2) as llm:
+
+        def generate(request: Any) -> Served:
+            params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=1)
+            outs = llm.generate(PROMPTS, params, lora_request=request, use_tqdm=False)
+            return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                 o.outputs[0].token_ids)])
+                    for o in outs]
+
+        def check(follower: Any, form: str, saved: Path) -> None:
+            if form == "merged":
+                assert follower.lora_request is None  # the engine's weights alone hold the merged policy
+                return
+            version = int(saved.name.rsplit("v", 1)[1])
+            reference = LoRARequest(saved.name, 1000 + version, str(saved))
+            served = generate(follower.lora_request)
+            assert served == generate(reference)
+            assert served != generate(None)  # the adapter is in use
+            llm.llm_engine.remove_lora(reference.lora_int_id)
+
+        follow_auto_run(base, tmp_path, lambda config: VLLMFollower(llm, model=base, lora=config), check)
+
+
+def test_server_replica_serves_each_versions_adapter_under_one_name(tmp_path: Path) -> None:
+    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm_lora import LORA_NAME
+    from deltasync.models import smollm2_checkpoint
+    from tests.test_trl import _example
+
+    example = _example()
+    base = tiny_qwen3(tmp_path / "tiny-qwen3", smollm2_checkpoint())
+    with open(tmp_path / "server.log", "wb") as log, example.start_server(base, example.free_port(), log=log,
+                                                                          lora_rank=RANK) as url:
+
+        def post(path: str, body: dict[str, Any]) -> bytes:
+            request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.read()
+
+        def complete(model: str) -> Served:
+            body = {"model": model, "prompt": PROMPTS, "max_tokens": TOKENS, "temperature": 0.0, "logprobs": 1}
+            choices = sorted(json.loads(post("/v1/completions", body))["choices"], key=lambda c: c["index"])
+            return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+        def check(follower: Any, form: str, saved: Path) -> None:
+            served = complete(LORA_NAME)  # clients always ask for the same name
+            if form == "merged":  # the loaded adapter is zero: the engine's (merged) weights serve alone
+                assert [tokens for tokens, _ in served] == [tokens for tokens, _ in complete(str(base))]
+                return
+            post("/v1/load_lora_adapter", {"lora_name": saved.name, "lora_path": str(saved)})
+            assert served == complete(saved.name)
+            assert served != complete(str(base))
+
+        follow_auto_run(base, tmp_path, lambda config: VLLMFollower(url, model=base, lora=config), check)

@@ -77,9 +77,9 @@ from .apply import check_header
 from .checkpoint_files import checkpoint_specs
 from .mapping import uncovered_elements
 from .verify import VERIFY_SAMPLES
-from .vllm_lora import AdapterHost
+from .vllm_lora import LORA_NAME, AdapterHost
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
-from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine
+from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine, parse_version_label, version_label
 from .wire import pack, specs_to_json, unpack
 
 __all__ = [
@@ -98,31 +98,8 @@ logger = logging.getLogger("deltasync.vllm")
 
 EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
 RPC_BATCH_BYTES = 64 << 20  # split anchors into RPCs of about this size (JSON bodies over HTTP stay sane)
-RUN_LABEL_CHARS = 12  # run id characters in the version label: enough to tell runs apart, short in logs
 
 Mode = Literal["inflight", "pause"]
-
-
-def version_label(version: int, run_id: str | None) -> str:
-    """The engine's weight-version label: ``"7@3f1d2c4b5a6e"`` (version @ run id prefix), or ``"7"``.
-
-    The run id part lets a trainer tell a server that follows its run from one
-    that still holds the same version number of an earlier run.
-    """
-    return f"{version}@{run_id[:RUN_LABEL_CHARS]}" if run_id else str(version)
-
-
-def parse_version_label(label: Any, run_id: str | None) -> int | None:
-    """The version in ``label`` if it belongs to ``run_id`` (labels without a run id are accepted)."""
-    if not isinstance(label, str):
-        return None
-    number, _, run = label.partition("@")
-    if run and run_id is not None and not run_id.startswith(run):
-        return None
-    try:
-        return int(number)
-    except ValueError:
-        return None  # "default": nothing applied yet
 
 
 # ---------------------------------------------------------------------- the applier
@@ -146,8 +123,10 @@ class VLLMFollower:
             with what it wrote; ``0`` skips the sampled check. Its cost is in :attr:`last_apply`.
         lora (*optional*): for a LoRA run published with ``lora="auto"`` or ``"adapter"``
             (:mod:`deltasync.lora`): the adapter's ``LoraConfig`` or directory. The factors are held on the
-            host and served as a vLLM LoRA adapter (:mod:`.vllm_lora`): generate with
-            ``lora_request=follower.lora_request``. The engine needs ``enable_lora=True``.
+            host and served as a vLLM LoRA adapter (:mod:`.vllm_lora`): in process, generate with
+            ``lora_request=follower.lora_request`` (the ``LLM`` needs ``enable_lora=True``); a server serves
+            it as ``model=lora_name`` (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
+        lora_name (`str`, *optional*, defaults to ``"deltasync"``): the adapter's name on a server.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
@@ -177,6 +156,7 @@ class VLLMFollower:
         dtype: torch.dtype = torch.bfloat16,
         verify: int = VERIFY_SAMPLES,
         lora: Any = None,
+        lora_name: str = LORA_NAME,
     ) -> None:
         if mode not in ("inflight", "pause"):
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
@@ -192,9 +172,7 @@ class VLLMFollower:
         self.adapter: AdapterHost | None = None
         """A LoRA run's factors, served as a LoRA adapter (``lora=``), else ``None``."""
         if lora is not None:
-            if not isinstance(self._engine, InProcessEngine):
-                raise ConfigError("lora= needs an in-process LLM (server replicas: not yet)", argument="lora")
-            self.adapter = AdapterHost(engine, self.model_dir, lora)
+            self.adapter = AdapterHost(self._engine, self.model_dir, lora, name=lora_name)
         self.specs = {**self.engine_specs, **(self.adapter.specs if self.adapter else {})}
         """Every published tensor the follower takes: the engine's, and a LoRA run's factors."""
         self.fingerprint = fingerprint(self.specs.values())
@@ -241,6 +219,11 @@ class VLLMFollower:
             len(answers), len(self.engine_specs), max(a["ms"] for a in answers),
         )
         return answers
+
+    def close(self) -> None:
+        """Delete what the follower wrote on disk (a LoRA run's adapter directories); the engine keeps running."""
+        if self.adapter is not None:
+            self.adapter.close()
 
     @property
     def lora_request(self) -> Any:
@@ -467,9 +450,17 @@ def main(argv: list[str] | None = None) -> int:
         help="share downloaded objects with the node's other replicas through this directory (docs/FLEET.md)",
     )
     parser.add_argument("--once", action="store_true", help="apply the latest version and exit")
+    parser.add_argument(
+        "--lora", default=None,
+        help="a LoRA run published with lora='auto'/'adapter': the adapter's directory or adapter_config.json",
+    )
+    parser.add_argument("--lora-name", default=LORA_NAME, help="the name clients ask for (model=...)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    follower = VLLMFollower(args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode)
+    follower = VLLMFollower(
+        args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode, lora=args.lora,
+        lora_name=args.lora_name,
+    )
     sub = follower.subscriber(
         args.store,
         replica_id=args.replica_id,
@@ -478,10 +469,13 @@ def main(argv: list[str] | None = None) -> int:
         **({"cache_dir": args.cache_dir} if args.cache_dir else {}),
     )
     with sub:
-        if args.once:
-            sub.update()
-        else:
-            run_until_signal(sub.run, threading.Event())
+        try:
+            if args.once:
+                sub.update()
+            else:
+                run_until_signal(sub.run, threading.Event())
+        finally:
+            follower.close()
     return 0
 
 

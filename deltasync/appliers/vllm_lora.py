@@ -8,18 +8,23 @@ follower writes the base names into the engine as usual and hands the factors
 here, where a :class:`~deltasync.appliers.torch.TorchModuleApplier` applies
 them exactly to host copies. After each version that changed them, the factors
 are written as a PEFT adapter directory (:func:`deltasync.lora.write_adapter`,
-bit for bit what the trainer's ``save_pretrained`` would write) and
-:attr:`AdapterHost.request` becomes a new ``LoRARequest`` for it; the previous
-adapter is removed from the engine and its directory deleted. While the
-factors add nothing (every ``lora_B`` zero: the run is in its merged form),
-``request`` is ``None`` and the engine serves its base weights, which then hold
-the merged policy.
+bit for bit what the trainer's ``save_pretrained`` would write) and served:
 
-The engine must be started with ``enable_lora=True`` and a ``max_lora_rank``
-of at least the adapter's rank. Generation passes ``lora_request=follower.lora_request``.
+- In process (an ``LLM`` started with ``enable_lora=True``):
+  :attr:`AdapterHost.request` becomes a new ``LoRARequest`` for it (a new id
+  per version: vLLM caches adapters by id), and the previous adapter is removed
+  from the engine. While the factors add nothing (every ``lora_B`` zero: the
+  run is in its merged form) ``request`` is ``None`` and the engine's own
+  weights serve the merged policy. Generate with ``lora_request=follower.lora_request``.
+- A ``vllm serve`` server (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
+  the directory is loaded in place under one stable name
+  (``/v1/load_lora_adapter``, ``load_inplace``), ``"deltasync"`` unless told
+  otherwise, so clients always ask for ``model="deltasync"``. In the merged
+  form that adapter is zero and adds nothing.
 
-Limitation: in-process engines (``LLM``) only; a ``vllm serve`` replica would
-load each directory through ``/v1/load_lora_adapter``, which is not wired here.
+Either way the load happens inside the follower's apply, while a server's
+scheduler is frozen, so no engine step sees the new base weights with the old
+adapter. The previous version's directory is deleted once the new one is loaded.
 """
 
 from __future__ import annotations
@@ -38,24 +43,37 @@ from ..codec import Decoded
 from ..lora import adapter_active, adapter_specs, load_config, write_adapter
 from ..tensors import TensorSpec
 from .torch import TorchModuleApplier
+from .vllm_rpc import InProcessEngine, ServerEngine
 
-__all__ = ["AdapterHost"]
+__all__ = ["AdapterHost", "LORA_NAME"]
 
 logger = logging.getLogger("deltasync.vllm")
 
+LORA_NAME = "deltasync"
+"""The name a server serves a run's adapter under (clients ask for ``model="deltasync"``)."""
+
 
 class AdapterHost:
-    """The factors of a LoRA run, held on the host and served to an in-process vLLM engine as a LoRA adapter.
+    """The factors of a LoRA run, held on the host and served by a vLLM engine as a LoRA adapter.
 
     Args:
-        llm (`vllm.LLM`): the engine (started with ``enable_lora=True``).
+        engine (`InProcessEngine` or `ServerEngine`): the follower's engine.
         model_dir (`str` or `Path`): the base checkpoint the engine loaded.
         config: the adapter's ``LoraConfig``, or an adapter directory / ``adapter_config.json``.
+        name (`str`, *optional*, defaults to ``"deltasync"``): the adapter's name on a server.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): the trainer's adapter dtype.
     """
 
-    def __init__(self, llm: Any, model_dir: str | Path, config: Any, *, dtype: torch.dtype = torch.float32) -> None:
-        self.llm = llm
+    def __init__(
+        self,
+        engine: InProcessEngine | ServerEngine,
+        model_dir: str | Path,
+        config: Any,
+        *,
+        name: str = LORA_NAME,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.engine, self.name = engine, name
         self.config = load_config(config)
         self.config.base_model_name_or_path = str(model_dir)
         self.specs: dict[str, TensorSpec] = {s.name: s for s in adapter_specs(model_dir, self.config, dtype=dtype)}
@@ -63,7 +81,7 @@ class AdapterHost:
         self._applier = TorchModuleApplier(self.factors, dtype=None)
         self._root = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))
         self.request: Any = None
-        """The ``LoRARequest`` of the newest version's adapter, or ``None`` while the factors add nothing."""
+        """In process: the ``LoRARequest`` of the newest version's adapter, or ``None`` while it adds nothing."""
         self.directory: Path | None = None
         """Where the newest version's adapter was written (``None`` before the first)."""
 
@@ -77,20 +95,26 @@ class AdapterHost:
             return
         self._applier.apply(decoded)
         if version is None:
-            return  # more of the same version follows (an anchor in parts)
+            return  # more of the same version follows
+        old = self.directory
+        if isinstance(self.engine, ServerEngine):
+            self.directory = write_adapter(self.factors, self.config, self._root / f"v{version}")
+            self.engine.load_lora(self.name, str(self.directory))
+        else:
+            self._serve_in_process(version)
+        if old is not None and old != self.directory:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("deltasync: v%s serves %s", version, self.directory or "the base weights (no adapter)")
+
+    def _serve_in_process(self, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        old_request, old_directory = self.request, self.directory
-        self.request = self.directory = None
+        old, self.request, self.directory = self.request, None, None
         if adapter_active(self.factors):
             self.directory = write_adapter(self.factors, self.config, self._root / f"v{version}")
-            # A new id per version: vLLM caches adapters by id.
-            self.request = LoRARequest(f"deltasync-v{version}", version + 1, str(self.directory))
-        if old_request is not None:
-            self.llm.llm_engine.remove_lora(old_request.lora_int_id)
-        if old_directory is not None:
-            shutil.rmtree(old_directory, ignore_errors=True)
-        logger.info("deltasync: v%s serves %s", version, self.directory or "the base weights (no adapter)")
+            self.request = LoRARequest(f"{self.name}-v{version}", version + 1, str(self.directory))
+        if old is not None:
+            self.engine.llm.llm_engine.remove_lora(old.lora_int_id)
 
     def close(self) -> None:
         """Delete the adapter directories."""

@@ -10,7 +10,11 @@ Two engines answer the same five calls (``rpc``, ``pause``, ``resume``,
   ``VLLM_SERVER_DEV_MODE=1``, through ``/collective_rpc``, ``/pause``,
   ``/resume``, ``/update_weight_version`` and ``/reset_prefix_cache``.
   Arguments travel as base64 text (``text = True``), since the server passes
-  only strings through.
+  only strings through. A LoRA run's adapter is loaded through
+  ``/v1/load_lora_adapter`` (:meth:`ServerEngine.load_lora`).
+
+And the engine's weight-version label (:func:`version_label`,
+:func:`parse_version_label`): version @ run id prefix.
 
 Limitations:
 
@@ -30,7 +34,7 @@ from typing import Any
 
 from ..errors import DeltaSyncError
 
-__all__ = ["InProcessEngine", "ServerEngine", "HTTP_TIMEOUT_S"]
+__all__ = ["InProcessEngine", "ServerEngine", "HTTP_TIMEOUT_S", "version_label", "parse_version_label"]
 
 HTTP_TIMEOUT_S = 600.0  # per request; also the collective_rpc timeout the server is given
 
@@ -81,7 +85,7 @@ class ServerEngine:
     def __init__(self, url: str, timeout: float = HTTP_TIMEOUT_S) -> None:
         self.url, self.timeout = url.rstrip("/"), timeout
 
-    def _post(self, path: str, body: Any = None) -> Any:
+    def _post(self, path: str, body: Any = None, *, text: bool = False) -> Any:
         data = json.dumps(body).encode() if body is not None else b""
         request = urllib.request.Request(
             self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
@@ -97,6 +101,8 @@ class ServerEngine:
                 f"cannot reach {self.url}{path} ({exc.reason}); is the server up with VLLM_SERVER_DEV_MODE=1?",
                 url=self.url,
             ) from None
+        if text:
+            return raw.decode(errors="replace")
         return json.loads(raw) if raw else None
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
@@ -119,3 +125,34 @@ class ServerEngine:
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed with the old weights)."""
         self._post("/reset_prefix_cache")
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the adapter in ``path`` as ``name``, replacing the one loaded under that name
+        (``/v1/load_lora_adapter`` with ``load_inplace``; the server needs ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True}, text=True)
+
+
+RUN_LABEL_CHARS = 12  # run id characters in the version label: enough to tell runs apart, short in logs
+
+
+def version_label(version: int, run_id: str | None) -> str:
+    """The engine's weight-version label: ``"7@3f1d2c4b5a6e"`` (version @ run id prefix), or ``"7"``.
+
+    The run id part lets a trainer tell a server that follows its run from one
+    that still holds the same version number of an earlier run.
+    """
+    return f"{version}@{run_id[:RUN_LABEL_CHARS]}" if run_id else str(version)
+
+
+def parse_version_label(label: Any, run_id: str | None) -> int | None:
+    """The version in ``label`` if it belongs to ``run_id`` (labels without a run id are accepted)."""
+    if not isinstance(label, str):
+        return None
+    number, _, run = label.partition("@")
+    if run and run_id is not None and not run_id.startswith(run):
+        return None
+    try:
+        return int(number)
+    except ValueError:
+        return None  # "default": nothing applied yet
