@@ -53,11 +53,14 @@ from .peft import MergedWeights, is_peft_model
 from .tensors import TensorSpec
 
 __all__ = [
-    "LoraWeights", "LoraMode", "adapter_active", "adapter_specs", "load_config", "publishable", "write_adapter"
+    "LORA_NAME", "LoraWeights", "LoraMode", "adapter_active", "adapter_specs", "load_config", "publishable",
+    "write_adapter",
 ]
 
 LoraMode = Literal["auto", "merged", "adapter"]
 MODES: tuple[LoraMode, ...] = ("auto", "merged", "adapter")
+LORA_NAME = "deltasync"
+"""The name a vLLM server serves a run's adapter under (clients ask for ``model="deltasync"``)."""
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 

@@ -94,13 +94,18 @@ def start_server(
 @contextlib.contextmanager
 def start_follower(
     store: str, server: str, model: str | Path, *, replica_id: str | None = None,
-    env: Mapping[str, str] | None = None, log: Any = None,
+    env: Mapping[str, str] | None = None, log: Any = None, lora: str | Path | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """``python -m deltasync.appliers.vllm_follower`` keeping ``server`` at the store's latest version."""
+    """``python -m deltasync.appliers.vllm_follower`` keeping ``server`` at the store's latest version.
+
+    ``lora``: the adapter directory of a LoRA run published with ``lora="auto"`` / ``"adapter"``.
+    """
     cmd = [sys.executable, "-m", "deltasync.appliers.vllm_follower", "--store", store, "--server", server,
            "--model", str(model), "--poll-interval", "0.2", "--max-poll-interval", "1.0"]
     if replica_id:
         cmd += ["--replica-id", replica_id]
+    if lora is not None:
+        cmd += ["--lora", str(lora)]
     process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log,
                                stderr=subprocess.STDOUT if log else None)
     try:
@@ -134,8 +139,10 @@ def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
 def make_trainer(
     model_dir: str | Path, server: str, callback: Any, output_dir: str | Path, *,
     steps: int = 3, prompts: int = 2, generations: int = 2, completion_tokens: int = 8, lr: float = 3e-6,
+    peft_config: Any = None,
 ) -> Any:
-    """A ``DeltaSyncGRPOTrainer`` on fp32 masters of ``model_dir``, generating through ``server``."""
+    """A ``DeltaSyncGRPOTrainer`` on fp32 masters of ``model_dir``, generating through ``server``
+    (with ``peft_config``: a LoRA run, as ``GRPOTrainer(peft_config=...)`` wraps it)."""
     import datasets
     import torch
     import transformers
@@ -162,7 +169,7 @@ def make_trainer(
     )
     return DeltaSyncGRPOTrainer(
         model=model, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer,
-        deltasync=callback,
+        deltasync=callback, peft_config=peft_config,
     )
 
 

@@ -144,3 +144,56 @@ def test_server_replica_serves_each_versions_adapter_under_one_name(tmp_path: Pa
             assert served != complete(str(base))
 
         follow_auto_run(base, tmp_path, lambda config: VLLMFollower(url, model=base, lora=config), check)
+
+
+def test_grpo_lora_run_generates_from_the_servers_adapter(tmp_path: Path) -> None:
+    """DeltaSyncGRPOTrainer with peft_config and lora="auto": the server's follower serves each version's
+    adapter under one name, the trainer generates from it, and the server ends exact with the final version."""
+    import trl  # noqa: F401  (the GRPO stack must be importable)
+    from safetensors.torch import load_file
+
+    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.integrations import DeltaSyncCallback
+    from deltasync.lora import LORA_NAME, WEIGHTS_NAME, LoraWeights
+    from deltasync.models import smollm2_checkpoint
+    from tests.test_trl import _example
+
+    example = _example()
+    base = tiny_qwen3(tmp_path / "tiny-qwen3", smollm2_checkpoint())
+    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", task_type="CAUSAL_LM")
+    config.save_pretrained(str(tmp_path / "adapter"))
+    store = str(tmp_path / "run")
+    callback = DeltaSyncCallback(store, sync="on_policy", lora="adapter", wait_timeout=180)
+    with (
+        open(tmp_path / "server.log", "wb") as log,
+        example.start_server(base, example.free_port(), log=log, lora_rank=RANK) as url,
+        example.start_follower(store, url, base, log=log, lora=tmp_path / "adapter") as follower_process,
+    ):
+        trainer = example.make_trainer(base, url, callback, tmp_path / "out", steps=3, lr=1e-3, peft_config=config)
+        trainer.train()
+        assert follower_process.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        callback.wait_for(callback.version, timeout=120)
+        assert trainer.vllm_generation.vllm_client.model == LORA_NAME  # generated from the adapter
+        assert {i.form for i in callback.history} == {"adapter"}
+        assert any("deltasync/adapter_form" in h for h in trainer.state.log_history)
+        # The server holds the final version: base weights exact, and its adapter is the trainer's.
+        reader = VLLMFollower(url, model=base)
+        assert reader.engine_version() == callback.version
+        frozen = LoraWeights(trainer.model, mode="adapter").forms()["adapter"]
+        assert_engine_exact(reader, {n: frozen[n].detach().to(torch.bfloat16) for n in reader.engine_specs})
+        trainer.model.save_pretrained(tmp_path / "final")
+        final = load_file(tmp_path / "final" / WEIGHTS_NAME)
+        body = {"model": LORA_NAME, "prompt": PROMPTS, "max_tokens": TOKENS, "temperature": 0.0, "logprobs": 1}
+        ref = {"lora_name": "final", "lora_path": str(tmp_path / "final")}
+        post = urllib.request.Request(url + "/v1/load_lora_adapter", data=json.dumps(ref).encode(), method="POST",
+                                      headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(post, timeout=120).read()
+
+        def complete(model: str) -> Served:
+            request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body | {"model": model}).encode(),
+                                             method="POST", headers={"Content-Type": "application/json"})
+            choices = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"]
+            choices.sort(key=lambda c: c["index"])
+            return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+        assert final and complete(LORA_NAME) == complete("final")

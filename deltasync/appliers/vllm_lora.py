@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
-from ..lora import adapter_active, adapter_specs, load_config, write_adapter
+from ..lora import LORA_NAME, adapter_active, adapter_specs, load_config, write_adapter
 from ..tensors import TensorSpec
 from .torch import TorchModuleApplier
 from .vllm_rpc import InProcessEngine, ServerEngine
@@ -48,10 +48,6 @@ from .vllm_rpc import InProcessEngine, ServerEngine
 __all__ = ["AdapterHost", "LORA_NAME"]
 
 logger = logging.getLogger("deltasync.vllm")
-
-LORA_NAME = "deltasync"
-"""The name a server serves a run's adapter under (clients ask for ``model="deltasync"``)."""
-
 
 class AdapterHost:
     """The factors of a LoRA run, held on the host and served by a vLLM engine as a LoRA adapter.

@@ -107,7 +107,14 @@ class _DeltaSyncGeneration(_BaseGeneration):  # type: ignore[misc, valid-type]
             return super().sync_weights()
         # Every rank: under FSDP each takes part in publishing; only the main process waits for replicas
         # (the other ranks receive its generations). The follower resets the server's prefix cache.
-        self._deltasync.sync()
+        callback = self._deltasync
+        callback.sync()
+        if callback.serves_adapter and self.accelerator.is_main_process and self.vllm_client.model != callback.lora_name:
+            # A LoRA run in adapter form is served under one adapter name, which the server's follower loads
+            # with the first version it applies: generate from it, never from the bare base model.
+            callback.publisher.flush()
+            callback.wait_for(callback.version)
+            self.vllm_client.model = callback.lora_name
         return None
 
 

@@ -77,7 +77,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
-from ..lora import LoraMode, publishable
+from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
 from ..publisher import Publisher, PublishInfo
@@ -155,6 +155,9 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self.replicas = None if replicas is None or isinstance(replicas, int) else list(replicas)
         self.min_replicas = replicas if isinstance(replicas, int) else None
         self.publisher_options, self.lora = publisher_options, lora
+        self.serves_adapter = False
+        """The run carries a LoRA adapter that replicas serve under :data:`LORA_NAME` (``lora`` not merged)."""
+        self.lora_name = LORA_NAME
         self.publisher: Publisher | None = None
         self.history: list[PublishInfo] = []
         """Every committed version's cost, oldest first (main process only)."""
@@ -195,6 +198,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = _sharding(model)
         weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
+        self.serves_adapter = isinstance(weights, LoraWeights)
         if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
             if self.publisher is None:
                 from ..sharded import ShardedPublisher
