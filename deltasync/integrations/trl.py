@@ -73,17 +73,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, NoReturn
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
 from ..publisher import Publisher, PublishInfo
-from ..sharded import is_zero3
 from ..stores import Store
 from ..subscriber import read_acks
+from .distributed import NotGathered, full_weights, sharding_of, unwrapped_names
 
 transformers = require("transformers", "trl")
 
@@ -196,7 +196,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self._state = state
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
-        kind = _sharding(model)
+        kind = sharding_of(model)
         weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
         self.serves_adapter = isinstance(weights, LoraWeights)
         if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
@@ -375,9 +375,9 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             assert self.publisher is not None
             self.publisher.publish(step, block=block)
         else:
-            with _full_weights(self._fsdp1):
+            with full_weights(self._fsdp1):
                 if self._state.is_world_process_zero:
-                    full = _unwrapped_names(self._fsdp1)
+                    full = unwrapped_names(self._fsdp1)
                     if self.publisher is None:
                         self.publisher = Publisher(full, self.store, on_publish=self._collect, **self.publisher_options)
                     self.publisher.model = full
@@ -387,7 +387,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
                         # previous upload (it had a whole training step to finish) and diff now.
                         self.publisher.publish(step, block=True)  # only copies leave the context
                     finally:
-                        self.publisher.model = _NotGathered()
+                        self.publisher.model = NotGathered()
         self._published_step = step
 
     def _release(self) -> None:
@@ -435,61 +435,6 @@ def _server_version(url: str, run_id: str | None) -> int | None:
     except (urllib.error.URLError, OSError, ValueError):
         return None
     return parse_version_label(label, run_id)  # None: nothing applied yet, or another run's version
-
-
-def _sharding(model: Any) -> str | None:
-    """``"fsdp2"`` (DTensor parameters), ``"zero3"`` (DeepSpeed ZeRO-3), ``"fsdp1"`` (FSDP-wrapped) or ``None``."""
-    found = None
-    for name, param in model.named_parameters():
-        if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
-            found = "fsdp2"
-        elif is_zero3(param):
-            found = "zero3"  # DeepSpeed ZeRO-3: every rank publishes its flat slices, as under FSDP2
-        elif "_fsdp_wrapped_module" in name or "_flat_param" in name:
-            found = "fsdp1"
-    return found
-
-
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _unwrapped_names(model: Any) -> dict[str, Any]:
-    """The parameters under their checkpoint names (wrapper segments removed), as FSDP1 shows them gathered."""
-    out = {}
-    for name, param in model.named_parameters():
-        for segment in _WRAPPER_SEGMENTS:
-            name = name.replace(segment, "")
-        out[name] = param
-    return out
-
-
-class _NotGathered(Mapping[str, Any]):
-    """Stands in for FSDP1's full parameters outside the gather: reading them is a bug, said loudly
-    (the freed shards could otherwise be read as garbage weights)."""
-
-    def _refuse(self) -> NoReturn:
-        raise RuntimeError(
-            "FSDP1's full parameters exist only inside summon_full_params; a publish outside it "
-            "would read freed shards. Publish through DeltaSyncCallback's hooks on every rank."
-        )
-
-    def __getitem__(self, name: str) -> Any:
-        self._refuse()
-
-    def __iter__(self) -> Iterator[str]:
-        self._refuse()
-
-    def __len__(self) -> int:
-        self._refuse()
-
-
-def _full_weights(model: Any) -> Any:
-    """FSDP1: every rank takes part in gathering the full parameters; rank 0 holds them (in host memory)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    # Offloading moves accelerator memory to the host; for parameters already on the CPU it must be off.
-    offload = any(p.device.type != "cpu" for p in model.parameters())
-    return FullyShardedDataParallel.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=offload)
 
 
 # The GRPO integration touches TRL internals; it lives (version-pinned) in its own module, which
