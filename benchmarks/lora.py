@@ -1,4 +1,4 @@
-"""LoRA training on SmolLM2-135M: bytes per version of merged-weight deltas vs the adapter itself.
+"""LoRA training on SmolLM2-135M: bytes per version of merged-weight deltas vs the adapter itself, and auto.
 
 SmolLM2-135M-Instruct with fp32 masters, wrapped in a PEFT LoRA adapter on every
 linear layer of the decoder (``target_modules="all-linear"``: q, k, v, o, gate,
@@ -14,7 +14,13 @@ every learning rate and rank, the bytes of one version as:
   adapter itself as a vLLM LoRA costs per version;
 - (iii) ``adapter delta``: a deltasync delta of those A/B tensors against the
   previous version (same codec);
-- (iv) ``dense``: the whole model in bf16.
+- (iv) ``dense``: the whole model in bf16;
+- (v) ``auto``: the delta deltasync publishes from :class:`deltasync.lora.LoraWeights`
+  in ``mode="auto"``, which diffs both exact forms at every publish and sends
+  the one estimated smaller: the merged weights' sparse delta (as (i), factors
+  zero) or the adapter form (frozen base weights, the live factors in fp32, so
+  a larger per-element cost than (iii), which casts them to bf16); the form it
+  chose is recorded per version.
 
 Medians over the versions after the first (the first step moves B away from
 zero; it is reported separately) and the last version: a merged delta grows as
@@ -22,10 +28,12 @@ B does (``delta W = s * (dB A + B dA + dB dA)``), so it is measured early in a
 run here. The publisher's anchor policy may add anchors; they are counted, not
 added to the bytes. Each configuration ends with a replica (a
 bf16 copy of the base model, no PEFT) caught up from the store and compared bit
-for bit with PEFT's own ``merge_and_unload()``. Writes
+for bit with PEFT's own ``merge_and_unload()``, and with a replica of the auto
+run's tensors (base names in bf16, factors in fp32) that followed its store and
+is compared bit for bit with the form of the last version. Writes
 ``benchmarks/results/peft.json`` and prints a table.
 
-    python benchmarks/lora.py                # lr 1e-5, 1e-4, 1e-3 x rank 8, 16, 64; 8 steps each (about 2 min)
+    python benchmarks/lora.py                # lr 1e-5, 1e-4, 1e-3 x rank 8, 16, 64; 8 steps each (3-8 min)
     python benchmarks/lora.py --quick        # lr 1e-4, rank 8, 2 steps (results in a temp dir)
 """
 
@@ -55,11 +63,12 @@ STEPS = 8
 
 
 def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
-    """Train one LoRA configuration, publishing merged weights and the adapter; return bytes per version."""
+    """Train one LoRA configuration, publishing merged weights, the adapter and auto; return bytes per version."""
     import peft
 
     from deltasync import Publisher, Subscriber
     from deltasync.appliers import TorchModuleApplier
+    from deltasync.lora import LoraWeights
     from deltasync.models import load_smollm2
     from deltasync.peft import MergedWeights
     from deltasync.stores import MemoryStore
@@ -77,22 +86,29 @@ def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
     labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
 
     merged_store, adapter_store = MemoryStore(f"merged-{lr}-{rank}"), MemoryStore(f"adapter-{lr}-{rank}")
+    auto_store = MemoryStore(f"auto-{lr}-{rank}")
     merged = MergedWeights(model)
+    lora = LoraWeights(model, mode="auto")
+    # A replica of the auto run's tensors, taken before the first publish: its first form (merged, B = 0).
+    auto_replica = {
+        n: t.detach().clone().to(t.dtype if n in lora.own_dtype else torch.bfloat16) for n, t in lora.items()
+    }
     adapted = sum(p.numel() for n, p in model.named_parameters() if n.endswith("base_layer.weight"))
     versions: list[dict[str, Any]] = []
-    infos: dict[str, list[Any]] = {"merged": [], "adapter_delta": []}
+    infos: dict[str, list[Any]] = {"merged": [], "adapter_delta": [], "auto": []}
     with Publisher(merged, merged_store, on_publish=infos["merged"].append) as pub, Publisher(
         adapter, adapter_store, on_publish=infos["adapter_delta"].append
-    ) as pub_adapter:
+    ) as pub_adapter, Publisher(lora, auto_store, on_publish=infos["auto"].append) as pub_auto:
         pub.publish(0, block=True)
         pub_adapter.publish(0, block=True)
+        pub_auto.publish(0, block=True)
         for step in range(1, steps + 1):
             model.train()
             model(**batch, labels=labels).loss.backward()
             opt.step()
             opt.zero_grad()
             row: dict[str, Any] = {"step": step}
-            for what, publisher in (("merged", pub), ("adapter_delta", pub_adapter)):
+            for what, publisher in (("merged", pub), ("adapter_delta", pub_adapter), ("auto", pub_auto)):
                 moved = publisher.publish(step, block=True)  # False: no published bit changed, nothing to send
                 publisher.flush()
                 # The version's delta; the publisher may also have written an anchor after it (its policy).
@@ -100,6 +116,8 @@ def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
                 info = delta[0] if moved else None
                 row[f"{what}_bytes"], row[f"{what}_changed"] = (info.bytes, info.nnz) if info else (0, 0)
                 row[f"{what}_diff_s"] = info.t_diff if info else None
+                if what == "auto":
+                    row["auto_form"] = info.form if info else None  # the form it chose ("merged" or "adapter")
             row["merged_changed_of_adapted"] = row["merged_changed"] / adapted
             versions.append(row)
     started = time.perf_counter()
@@ -111,6 +129,13 @@ def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
         for n, t in published_tensors(replica)
     )
     numel = sum(t.numel() for _, t in published_tensors(replica))
+    Subscriber(auto_store, TorchModuleApplier(auto_replica, dtype=None)).update()
+    last_form = [i.form for i in infos["auto"] if i.form][-1]  # the newest version's (anchors carry it too)
+    auto_exact = all(
+        torch.equal(auto_replica[n].view(ints), t.detach().to(auto_replica[n].dtype).view(ints))
+        for n, t in lora.forms()[last_form].items()
+        for ints in [torch.int16 if auto_replica[n].element_size() == 2 else torch.int32]
+    )
     return {
         "lr": lr,
         "rank": rank,
@@ -125,12 +150,27 @@ def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
         "median_adapter_delta_bytes": median(
             [v["adapter_delta_bytes"] for v in versions[1:]] or [versions[0]["adapter_delta_bytes"]]
         ),
+        "median_auto_bytes": median([v["auto_bytes"] for v in versions[1:]] or [versions[0]["auto_bytes"]]),
+        "auto_forms": [v["auto_form"] for v in versions],
         "median_changed_of_adapted": median([v["merged_changed_of_adapted"] for v in versions[1:]] or [0.0]),
         "anchors_after_v0": sum(i.kind == "anchor" and i.version > 0 for i in infos["merged"]),
         "median_merged_diff_s": median([v["merged_diff_s"] for v in versions if v["merged_diff_s"] is not None] or [0]),
         "replica_catch_up_s": catch_up_s,
         "replica_exact": exact,
+        "auto_last_form": last_form,
+        "auto_exact": auto_exact,
     }
+
+
+def _forms(forms: list[str | None]) -> str:
+    """The auto run's forms per version, run-length coded: ``merged x3, adapter x5`` (``-``: nothing moved)."""
+    runs: list[list[Any]] = []
+    for form in forms:
+        if runs and runs[-1][0] == form:
+            runs[-1][1] += 1
+        else:
+            runs.append([form, 1])
+    return ", ".join(f"{form or '-'} x{count}" for form, count in runs)
 
 
 def main() -> None:
@@ -151,7 +191,9 @@ def main() -> None:
             results.append(run(lr, rank, steps))
             r = results[-1]
             print(f"lr {lr:g} rank {rank}: merged {human_bytes(r['median_merged_bytes'])}, adapter "
-                  f"{human_bytes(r['adapter_bytes'])}, exact {r['replica_exact']} ({time.perf_counter() - t0:.0f} s)",
+                  f"{human_bytes(r['adapter_bytes'])}, auto {human_bytes(r['median_auto_bytes'])} "
+                  f"({'/'.join(str(f) for f in r['auto_forms'])}), exact {r['replica_exact']}/{r['auto_exact']} "
+                  f"({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     payload = {
         "benchmark": "peft",
@@ -167,13 +209,16 @@ def main() -> None:
             f"{r['lr']:g}", r["rank"], human_bytes(r["median_merged_bytes"]),
             human_bytes(r["versions"][-1]["merged_bytes"]), f"{100 * r['median_changed_of_adapted']:.1f} %",
             human_bytes(r["adapter_bytes"]), human_bytes(r["median_adapter_delta_bytes"]),
-            human_bytes(r["dense_bytes"]), f"{r['median_merged_bytes'] / r['adapter_bytes']:.2f}",
-            r["anchors_after_v0"], f"{1000 * r['median_merged_diff_s']:.0f} ms", "yes" if r["replica_exact"] else "NO",
+            human_bytes(r["dense_bytes"]), human_bytes(r["median_auto_bytes"]), _forms(r["auto_forms"]),
+            f"{r['median_merged_bytes'] / r['adapter_bytes']:.2f}", r["anchors_after_v0"],
+            f"{1000 * r['median_merged_diff_s']:.0f} ms", "yes" if r["replica_exact"] else "NO",
+            "yes" if r["auto_exact"] else "NO",
         ]
         for r in results
     ]
     header = ["lr", "rank", "(i) merged delta", "last version", "adapted elements changed", "(ii) adapter bf16",
-              "(iii) adapter delta", "(iv) dense bf16", "(i) / (ii)", "anchors", "merge + diff", "replica exact"]
+              "(iii) adapter delta", "(iv) dense bf16", "(v) auto", "auto forms", "(i) / (ii)", "anchors",
+              "merge + diff", "replica exact", "auto exact"]
     print(table(rows, header))
     print(f"wrote {path}")
 

@@ -9,7 +9,11 @@ For every optimizer step it measures, on the same change set:
   fp32 masters (``t_diff``) and for a trainer that already holds bf16 weights
   (``t_diff_bf16``: the very tensors ``torch.ne`` sees, no cast);
 - decode (+ validate) and in-place apply time per codec;
-- a bit-exact check of a replica that applied every delta.
+- a bit-exact check of a replica that applied every delta;
+- the entropy floors of the change set (``_entropy.py``): positions at random
+  with the tensor's density plus the steps' order-0 entropy (``floor iid``), and
+  the same conditioned on each element's base exponent, which the receiver
+  holds (``floor | exponent``), in bytes per changed element next to the codec's.
 
 Every time is the best of several runs on the same inputs (the machine is
 shared and noisy); the detection times and their baselines are taken in turns. Writes ``benchmarks/results/payload.json`` and prints a
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _entropy import entropy_floors  # noqa: E402
 from _common import (  # noqa: E402
     best_interleaved,
     best_timed,
@@ -112,6 +117,7 @@ def measure_step(model: torch.nn.Module, snapshot: Snapshot, applier: TorchModul
     header, patches = files[DEFAULT_CODEC]
     applier.validate(header)
     row["t_apply"], _ = timed(lambda: applier.apply(patches))
+    row["entropy"] = entropy_floors(changes, snapshot)  # against the receiver's base: before advancing
     snapshot.advance(changes)
     row["exact"] = all(
         torch.equal(bits_view(t), bits_view(current[n])) for n, t in applier.state().items()
@@ -130,6 +136,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "t_diff_bf16": median([r["t_diff_bf16"] for r in rows]),
         "t_apply": median([r["t_apply"] for r in rows]),
         "all_exact": all(r["exact"] for r in rows),
+        "bytes_per_change": median([r["codecs"][DEFAULT_CODEC]["bytes"] / r["nnz"] for r in rows]),
+        "floor_iid_per_change": median([r["entropy"]["iid_per_change"] for r in rows]),
+        "floor_exponent_per_change": median([r["entropy"]["exponent_per_change"] for r in rows]),
         "codecs": {},
     }
     for codec in CODECS:
@@ -158,10 +167,14 @@ def print_report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     per_step = table(
         [
             [r["version"], f"{100 * r['sparsity']:.3f} %", human_bytes(r["dense_bytes"]),
-             *(human_bytes(r["codecs"][c]["bytes"]) for c in CODECS), "yes" if r["exact"] else "NO"]
+             *(human_bytes(r["codecs"][c]["bytes"]) for c in CODECS),
+             f"{r['codecs'][DEFAULT_CODEC]['bytes'] / r['nnz']:.2f}",
+             f"{r['entropy']['iid_per_change']:.2f}", f"{r['entropy']['exponent_per_change']:.2f}",
+             "yes" if r["exact"] else "NO"]
             for r in rows
         ],
-        ["step", "sparsity", "dense bf16", *CODECS, "bit-exact"],
+        ["step", "sparsity", "dense bf16", *CODECS, f"{DEFAULT_CODEC} B/change", "floor iid", "floor | exponent",
+         "bit-exact"],
     )
     codecs = table(
         [

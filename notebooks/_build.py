@@ -1,7 +1,10 @@
 """Build the benchmark notebooks from the cells below, and execute them in place (full mode).
 
-    python notebooks/_build.py            # write and execute both notebooks (outputs committed)
+    python notebooks/_build.py            # write and execute the notebooks below (outputs committed)
+    python notebooks/_build.py --only 04  # write and execute one of them
     python notebooks/_build.py --no-run   # write them without outputs
+
+Notebooks 01, 02 and 04 are built here; 03 (end to end) is edited and executed as a notebook.
 
 Each notebook reads ``DELTASYNC_NOTEBOOK_QUICK``: ``1`` keeps it under a minute
 (it loads the committed results and runs only small live computations), ``0``
@@ -342,6 +345,108 @@ for key in keys:
     print(f"{key:32}" + "".join(f"{by[d]['min'][key]:12.2f}" for d in by))'''),
 ]
 
+NB04 = [
+    ("md", """\
+# LoRA: merged deltas, the adapter, or whichever is smaller
+
+A LoRA run serves the policy `W + s * B @ A`: frozen base weights `W`, the trained factors `A` and `B`, and the
+scale `s = lora_alpha / r`. deltasync can publish it in two exact forms, as one fixed set of named tensors (the
+base model's names plus the factors' names), so every version is an ordinary sparse delta from the one before:
+
+- **merged**: the base names carry the merged weights `W + s * B @ A` rounded to bf16 and the factors are zero. A
+  replica that loaded the base checkpoint applies the deltas in place, as for full fine-tuning. A version costs
+  the bf16 elements of the merged weights that changed, which grows with the learning rate (and, as `B` grows,
+  over the run).
+- **adapter**: the base names keep the frozen base weights and the factors carry the live `A` and `B` bit for bit
+  in their own dtype (fp32). A replica serves them as a LoRA adapter. A version costs the factor elements that
+  changed, about all of them at LoRA learning rates: roughly the adapter's size whatever the learning rate.
+
+`LoraWeights(model, mode="auto")` diffs both forms at every publish and sends the one whose change set is
+estimated smaller on the wire. Each form is judged on what it costs per version once adopted: the tensors a form
+holds constant (the merged form's zeroed factors, the adapter form's base weights) are left out of its estimate, so
+the one larger delta that switches form does not keep a run in the more expensive form. A tie keeps the previous
+version's form.
+
+The numbers are from `benchmarks/lora.py` (SmolLM2-135M with fp32 masters, LoRA on every linear layer,
+`lora_alpha = 2r`, AdamW on the adapter, one version per step): medians over the versions after the first. This
+notebook only reads `benchmarks/results/peft.json`, in both modes; the full mode (`DELTASYNC_NOTEBOOK_QUICK=0`,
+the default) also writes `docs/img/lora_bytes.png`."""),
+    ("code", SETUP),
+    ("code", '''\
+peft_run = load("peft")
+results = peft_run["results"]
+
+def forms_of(r):
+    """The forms auto chose for the versions after the first, run-length coded ("-": nothing moved)."""
+    runs = []
+    for form in r["auto_forms"][1:] or r["auto_forms"]:
+        if runs and runs[-1][0] == form:
+            runs[-1][1] += 1
+        else:
+            runs.append([form, 1])
+    return ", ".join(f"{form or '-'} x{n}" for form, n in runs)
+
+print(f"{peft_run['model']}; {peft_run['steps']} steps per configuration")
+print()
+print("MB per version (medians over versions 2+); adapter bf16 = the benchmark's delta of the factors cast to bf16,")
+print("adapter fp32 = the whole factors in fp32 (what the adapter form sends when every factor element moves)")
+print()
+print(f"{'lr':>7} {'rank':>4} {'merged':>8} {'adapter bf16':>12} {'adapter fp32':>12} {'auto':>8} {'auto/merged':>11} "
+      f"{'dense':>7} {'exact':>5}  auto's forms (versions 2+)")
+for r in sorted(results, key=lambda r: (r["rank"], r["lr"])):
+    print(f"{r['lr']:7g} {r['rank']:4d} {r['median_merged_bytes'] / 1e6:8.2f} "
+          f"{r['median_adapter_delta_bytes'] / 1e6:12.2f} {4 * r['adapter_elements'] / 1e6:12.2f} "
+          f"{r['median_auto_bytes'] / 1e6:8.2f} {r['median_auto_bytes'] / r['median_merged_bytes']:11.2f} "
+          f"{r['dense_bytes'] / 1e6:7.1f} "
+          f"{'yes' if r['auto_exact'] else 'NO':>5}  {forms_of(r)}")'''),
+    ("md", """\
+## Bytes per version against learning rate, one panel per rank
+
+*adapter delta (bf16)* is the benchmark's delta of the factors cast to bf16 (column iii of its table). The adapter
+form that auto publishes carries the factors in fp32, so where auto picks it a version costs about the whole
+factors in fp32 (the thin dotted line): twice the bf16 delta. Auto's points are labelled with the forms it chose
+for the versions after the first (M merged, A adapter; both letters when it switched within the run)."""),
+    ("code", '''\
+ranks = sorted({r["rank"] for r in results})
+fig, axes = plt.subplots(1, len(ranks), figsize=(4.4 * len(ranks), 3.8), sharey=True, squeeze=False)
+for ax, rank in zip(axes[0], ranks):
+    rows = sorted((r for r in results if r["rank"] == rank), key=lambda r: r["lr"])
+    lrs = [r["lr"] for r in rows]
+    ax.plot(lrs, [r["median_merged_bytes"] for r in rows], "o-", color="tab:blue", label="merged delta")
+    ax.plot(lrs, [r["median_adapter_delta_bytes"] for r in rows], "s--", color="tab:orange",
+            label="adapter delta (bf16)")
+    ax.axhline(4 * rows[0]["adapter_elements"], color="tab:orange", ls=":", lw=1, label="adapter, whole fp32")
+    ax.plot(lrs, [r["median_auto_bytes"] for r in rows], "D-", color="tab:green", ms=7, mfc="none", lw=2,
+            label="auto (LoraWeights)")
+    ax.axhline(rows[0]["dense_bytes"], color="0.3", ls=":", label="dense bf16")
+    for r in rows:
+        chosen = {f for f in r["auto_forms"][1:] if f}
+        letters = "".join(sorted(f[0].upper() for f in chosen)) or "-"
+        ax.annotate(letters, (r["lr"], r["median_auto_bytes"]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8, color="tab:green")
+    ax.set(xscale="log", yscale="log", xlabel="learning rate (AdamW)", title=f"rank {rank}")
+axes[0][0].set_ylabel("bytes per version (median)")
+axes[0][-1].legend(fontsize=7, loc="lower right")
+fig.tight_layout()
+fig.savefig(FIGURES / "lora_bytes.png", dpi=130, bbox_inches="tight")
+plt.show()'''),
+    ("md", """\
+## Reading the numbers
+
+- At small learning rates few bf16 elements of the merged weights move per step and the merged delta is far below
+  the adapter: auto publishes merged, and a replica of the base model follows in place.
+- As the learning rate grows, more merged elements move each step, while the adapter form costs about the whole
+  factors in fp32 whatever the learning rate (every factor element moves). At high learning rates the adapter
+  form is the smaller one and auto publishes it.
+- The adapter grows with the rank (its element count is proportional to `r`); the merged delta grows more slowly,
+  so the crossover moves to higher learning rates at higher ranks.
+- Auto picks a form from an estimate (`deltasync.forms.wire_cost`), not from encoded sizes: per changed element,
+  index bits from the density and value bits from the size of its step, modelled on the compact codec. An
+  `auto/merged` ratio above 1 where both forms were open would show the estimate choosing the larger form.
+- Every auto run ends with a replica, which followed the store from the first version, bit-identical to the form
+  of the last version (`exact`)."""),
+]
+
 
 def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
     nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in cells])
@@ -353,9 +458,13 @@ def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-run", action="store_true", help="write the notebooks without executing them")
-    parser.add_argument("--only", choices=["01", "02"], help="build one notebook")
+    parser.add_argument("--only", choices=["01", "02", "04"], help="build one notebook")
     args = parser.parse_args()
-    books = {"01": ("01_why_bf16_updates_are_sparse.ipynb", NB01), "02": ("02_payload.ipynb", NB02)}
+    books = {
+        "01": ("01_why_bf16_updates_are_sparse.ipynb", NB01),
+        "02": ("02_payload.ipynb", NB02),
+        "04": ("04_lora.ipynb", NB04),
+    }
     for key, (name, cells) in books.items():
         if args.only and key != args.only:
             continue

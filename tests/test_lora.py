@@ -189,12 +189,20 @@ def test_refused() -> None:
         publishable(plain, lora="adapters")  # type: ignore[arg-type]
 
 
-def test_wire_cost_counts_values_and_indices_not_zeroed_tensors() -> None:
-    spec = TensorSpec("w", (8,), "F32")
-    sparse = TensorChange(spec, torch.tensor([1, 5]), torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 2)
-    zeroed = TensorChange(TensorSpec("z", (8,), "F32"), None, torch.zeros(8, dtype=torch.int32), None, 8)
-    changes = ChangeSet((sparse, zeroed), (spec, zeroed.spec))
-    assert wire_cost(changes) == 2 * (4 + 1)
+def test_wire_cost_is_close_to_the_encoded_size_and_skips_zeros_and_fixed_tensors() -> None:
+    from deltasync.diff import Snapshot, diff
+    from deltasync.format import encode_delta
+
+    weights = {"w": torch.randn(200_000) * 0.02}
+    snapshot = Snapshot.capture(weights)
+    where = torch.randperm(200_000, generator=torch.Generator().manual_seed(0))[:4_000]
+    weights["w"][where] *= 1.01  # about one ulp up at 2 % of the elements
+    changes = diff(snapshot, weights)
+    encoded = len(encode_delta(changes, version=1, base_version=0))
+    assert 0.7 < wire_cost(changes) / encoded < 1.4, (wire_cost(changes), encoded)
+    spec = TensorSpec("z", (8,), "F32")
+    zeroed = TensorChange(spec, None, torch.zeros(8, dtype=torch.int32), None, 8)
+    assert wire_cost(ChangeSet((zeroed,), (spec,))) == 0
     assert wire_cost(changes, skip={"w"}) == 0
 
 

@@ -1,0 +1,250 @@
+"""Sync at memory speed? Each stage of a version against its floor, on the device it is given.
+
+A synthetic model of ``--params`` bf16 parameters in ``--tensors`` equal tensors
+lives on ``--device`` (``cpu`` or ``cuda``) with fp32 masters; every step moves
+``--density`` of the elements by one bf16 ulp at random positions (an exact,
+known change set, the shape of an RL step). Through the public API it measures,
+median of ``--repeats`` runs with the spread (min, max):
+
+| stage | deltasync | floor on the same device |
+|---|---|---|
+| diff on the training thread | ``diff`` of the masters against the snapshot | cast + ``ne`` + ``nonzero`` over all weights |
+| replica decode | ``decode`` of the delta (default codec) against the replica | zstd-decompressing the same delta's parts |
+| replica apply | ``TorchModuleApplier.apply`` | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
+| whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
+| anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s | one ``copy_`` of all weights |
+
+Every version ends bit-exact (checked). Writes
+``benchmarks/results/device_sync_<device>.json`` and prints the table.
+
+    python benchmarks/device_sync.py                      # cpu, 128M params in 64 tensors, 1 % density
+    python benchmarks/device_sync.py --device cuda --params 1e9
+    python benchmarks/device_sync.py --quick              # CI: 8M params, results in a temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import human_bytes, results_dir, shared_machine, table, write_json  # noqa: E402
+
+from deltasync import Publisher, Subscriber  # noqa: E402
+from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.codec._zstd import decompress  # noqa: E402
+from deltasync.diff import Snapshot, diff  # noqa: E402
+from deltasync.format import decode, encode_delta, read_header  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def spread(fn: Callable[[], Any], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median, min and max wall time of ``fn`` over ``repeats`` runs (device work included)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+class Model:
+    """``numel`` fp32 masters in ``tensors`` equal tensors on ``device``; steps move ``density`` by one ulp."""
+
+    def __init__(self, numel: int, tensors: int, device: torch.device, seed: int = 0) -> None:
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        size = max(1, numel // tensors)
+        self.masters = {
+            f"layers.{i}.weight": (torch.randn(size, generator=self.gen) * 0.02).to(device) for i in range(tensors)
+        }
+        self.device = device
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in self.masters.items()}
+
+    def step(self, density: float) -> int:
+        """Move ``density`` of each tensor's elements by +-1 bf16 ulp (exactly); return how many moved."""
+        moved = 0
+        for tensor in self.masters.values():
+            k = max(1, int(density * tensor.numel()))
+            where = torch.randperm(tensor.numel(), generator=self.gen)[:k].to(self.device)
+            bits = tensor[where].to(torch.bfloat16).view(torch.int16)
+            sign = (torch.randint(0, 2, (k,), generator=self.gen) * 2 - 1).to(self.device, torch.int16)
+            tensor[where] = (bits + sign).view(torch.bfloat16).to(torch.float32)
+            moved += k
+        return moved
+
+
+def floor_diff(model: Model, snapshot: Snapshot) -> None:
+    for name, master in model.masters.items():
+        torch.ne(master.to(torch.bfloat16), snapshot[name]).nonzero()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    model = Model(int(args.params), args.tensors, device)
+    numel = sum(t.numel() for t in model.masters.values())
+    weight_bytes = 2 * numel
+    shm = Path("/dev/shm")
+    root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=shm if shm.is_dir() else None))
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        # Anchor publish and load (first version), against one copy_ of all weights.
+        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in model.masters.items()}
+        infos: list[Any] = []
+        started = time.perf_counter()
+        publisher = Publisher(model.masters, str(root / "run"), on_publish=infos.append, anchor_every=10**6)
+        publisher.publish(0, block=True)
+        publisher.flush()
+        anchor_publish = time.perf_counter() - started
+        anchor_bytes = infos[0].bytes
+        subscriber = Subscriber(str(root / "run"), TorchModuleApplier(replica))
+        started = time.perf_counter()
+        subscriber.update()
+        sync(device)
+        anchor_load = time.perf_counter() - started
+        flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        flat_dst = torch.empty_like(flat_src)
+        copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
+        rows["anchor publish"] = {"deltasync": anchor_publish, "floor": copy_all["median"],
+                                  "gb_per_s": anchor_bytes / anchor_publish / 1e9}
+        rows["anchor load"] = {"deltasync": anchor_load, "floor": copy_all["median"],
+                               "gb_per_s": anchor_bytes / anchor_load / 1e9}
+
+        # One step's change set: diff, encode, decode, apply, each against its floor.
+        snapshot = Snapshot.capture(model.masters)
+        nnz = model.step(args.density)
+        t_diff = spread(lambda: diff(snapshot, model.masters), args.repeats, device)
+        t_floor_diff = spread(lambda: floor_diff(model, snapshot), args.repeats, device)
+        changes = diff(snapshot, model.masters)
+        assert changes.nnz == nnz, (changes.nnz, nnz)
+        data = encode_delta(changes, version=1, base_version=0)
+        header = read_header(data)
+        decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
+        t_decode = spread(lambda: decode(data, base=decoder.lookup), args.repeats, device)
+        _, patches = decode(data, base=decoder.lookup)
+        import safetensors.torch
+
+        entries = safetensors.torch.load(bytes(data))
+
+        def floor_decompress() -> None:
+            for key, part in entries.items():
+                entry = header.tensors[key.split("::")[0]]
+                width = 2
+                if key.endswith("::idx"):
+                    expected = entry.nnz * int(entry.params["iw"]) + 8 * int(entry.params["big"])
+                else:
+                    expected = entry.nnz * width
+                decompress(part.numpy(), expected, key)
+
+        t_floor_decode = spread(floor_decompress, args.repeats, device)
+        on_device = {
+            n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
+            for n, p in patches.items()
+        }
+        targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
+        t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
+        t_floor_apply = spread(
+            lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in on_device.items()], args.repeats, device
+        )
+        on_host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in patches.items()}
+        if device.type == "cuda":
+            on_host = {n: (i.pin_memory(), v.pin_memory()) for n, (i, v) in on_host.items()}
+        t_floor_h2d_apply = spread(
+            lambda: [targets[n].index_copy_(0, i.to(device, non_blocking=True), v.to(device, non_blocking=True))
+                     for n, (i, v) in on_host.items()], args.repeats, device,
+        )
+        # The whole replica update through the store, against copying every weight from host memory.
+        updates = []
+        for version in range(1, args.repeats + 1):
+            model.step(args.density)
+            publisher.publish(version, block=True)
+            publisher.flush()
+            sync(device)
+            started = time.perf_counter()
+            subscriber.update()
+            sync(device)
+            updates.append(time.perf_counter() - started)
+            assert subscriber.version == publisher.version
+        host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+        t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
+        exact = all(torch.equal(replica[n].view(torch.int16), model.masters[n].to(torch.bfloat16).view(torch.int16))
+                    for n in replica)
+        publisher.close()
+        delta_bytes = len(data)
+        rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"], "spread": [t_diff, t_floor_diff]}
+        rows["decode"] = {"deltasync": t_decode["median"], "floor": t_floor_decode["median"],
+                          "changes_per_s": nnz / t_decode["median"], "spread": [t_decode, t_floor_decode]}
+        rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
+                         "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
+        rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
+                                "spread": [{"median": statistics.median(updates), "min": min(updates),
+                                            "max": max(updates)}, t_full_copy]}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "device": str(device),
+        "params": numel,
+        "tensors": args.tensors,
+        "density": args.density,
+        "changes": nnz,
+        "delta_bytes": delta_bytes,
+        "bytes_per_change": delta_bytes / nnz,
+        "weight_bytes": weight_bytes,
+        "anchor_bytes": anchor_bytes,
+        "exact": exact,
+        "stages": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--params", type=float, default=128e6)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="8M params, 3 repeats, results in a temp dir")
+    parser.add_argument("--out", help="results directory")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.params, args.repeats = 8e6, 3
+    load = os.getloadavg()
+    result = run(args)
+    result["machine"] = shared_machine(load, "times are medians of --repeats runs on a shared machine")
+    device = torch.device(args.device).type
+    path = write_json(f"device_sync_{device}", result, results_dir(args.quick, args.out))
+    rows = []
+    for stage, row in result["stages"].items():
+        ratio = row["deltasync"] / row["floor"] if row["floor"] else float("inf")
+        extra = ""
+        if "gb_per_s" in row:
+            extra = f"{row['gb_per_s']:.2f} GB/s"
+        elif "changes_per_s" in row:
+            extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s"
+        rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
+    print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
+          f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), exact: {result['exact']}")
+    print(table(rows, ["stage", "deltasync", "floor", "ratio", ""]))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
