@@ -13,6 +13,7 @@ The trainer publishes; replicas follow; the store is the wire::
 from __future__ import annotations
 
 from .appliers import TorchModuleApplier
+from .commit import Committed, last_committed
 from .errors import DeltaSyncError
 from .publisher import Publisher
 from .stores import open_store
@@ -20,4 +21,7 @@ from .subscriber import Subscriber
 
 __version__ = "0.1.0"
 
-__all__ = ["Publisher", "Subscriber", "TorchModuleApplier", "open_store", "DeltaSyncError", "__version__"]
+__all__ = [
+    "Publisher", "Subscriber", "TorchModuleApplier", "open_store", "last_committed", "Committed", "DeltaSyncError",
+    "__version__",
+]

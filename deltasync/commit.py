@@ -28,10 +28,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed, StoreError
-from .keys import MANIFEST_KEY, VERSION_PREFIXES
+from .keys import ACKS, MANIFEST_KEY, VERSION_PREFIXES
 from .manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -51,6 +51,9 @@ __all__ = [
     "ManifestWriter",
     "ORPHAN_GRACE_S",
     "RetiredCleanup",
+    "Committed",
+    "classify_orphans",
+    "last_committed",
     "find_orphans",
     "sweep_orphans",
     "orphan_grace",
@@ -125,6 +128,11 @@ class ManifestWriter:
                 run_id=uuid.uuid4().hex, fingerprint=fingerprint, numel=numel, writer=self.writer, lease_s=self.lease_s
             )
             self.etag = None
+            if self.store.conditional_writes:
+                # Claim the empty prefix (create-only write) before sweeping what an earlier writer, killed
+                # before its first commit, left there: a rival starting at the same moment loses the claim.
+                self.write(self.manifest)
+                self._sweep(self.manifest, now, grace=0.0)
             return self.manifest
         data, info = got
         current = Manifest.from_bytes(data)
@@ -137,10 +145,47 @@ class ManifestWriter:
         self._check_lease(current, now)
         self.manifest = replace_manifest(current, writer=self.writer)
         self.etag = info.etag
-        removed = sweep_orphans(self.store, current, now=now)
-        if removed:
-            logger.info("removed %d orphaned objects of an interrupted publish", len(removed))
+        grace = ORPHAN_GRACE_S
+        if current.writer != self.writer and self.store.conditional_writes:
+            # Claim the prefix first (compare-and-swap on the manifest just read): a rival that opened
+            # at the same moment loses here, so no writer is uploading beside this one, and every
+            # earlier writer is gone (its lease ended, or it is taken over). What they uploaded and
+            # never committed, and their unfinished writes, are garbage now: reclaim them at once.
+            self.write(self.manifest)
+            grace = 0.0
+        self._sweep(self.manifest, now, grace=grace)
         return self.manifest
+
+    def _sweep(self, manifest: Manifest, now: float, *, grace: float) -> None:
+        removed = sweep_orphans(self.store, manifest, now=now, grace=grace)
+        if removed:
+            logger.info(
+                "removed %d objects an interrupted publish left on %s (uncommitted uploads, unfinished writes)",
+                len(removed), self.store.url,
+            )
+
+    def check(self, *, fingerprint: str) -> None:
+        """Refuse at once what :meth:`open` would refuse: another model's prefix, another writer's live lease.
+
+        A cheap read, before a publisher copies the model for its first version.
+
+        Raises:
+            `FingerprintMismatch`, `ConflictError`: as :meth:`open`. `StoreError`: the read failed.
+        """
+        try:
+            got = self.store.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectNotFound:
+            return
+        if got is None:
+            return
+        current = Manifest.from_bytes(got[0])
+        if current.fingerprint != fingerprint:
+            raise FingerprintMismatch(
+                f"{self.store.url} holds versions of another model ({current.fingerprint}); publish to a new prefix",
+                expected=fingerprint,
+                found=current.fingerprint,
+            )
+        self._check_lease(current, time.time())
 
     def _check_lease(self, current: Manifest, now: float) -> None:
         # Fails closed: a lease is free only once it has provably ended.
@@ -159,9 +204,9 @@ class ManifestWriter:
     def release(self) -> None:
         """Let the next writer on this prefix start without ``takeover=True`` (best effort).
 
-        Does nothing before the first committed version.
+        Does nothing before this writer's first manifest write (its claim of the prefix, or its first version).
         """
-        if self.manifest is None or self.manifest.latest is None:
+        if self.manifest is None or self.etag is None:
             return
         try:
             self.write(self.manifest, lease_s=0.0)
@@ -364,19 +409,30 @@ def orphan_grace(manifest: Manifest, grace: float, *, now: float) -> float:
 
 
 def find_orphans(store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S) -> list[ObjectInfo]:
-    """Version objects that no manifest names and that are older than ``grace``.
+    """Version objects that no manifest names, and unfinished writes, older than ``grace``.
 
     Such objects come from a publish that crashed between its uploads and its
-    manifest write; readers never saw them. An object whose age the store does
-    not report is kept, as are young ones: they may belong to a publish in progress.
+    manifest write, or in the middle of writing a file (the local store's
+    ``.tmp-*``, :meth:`~deltasync.stores.Store.temporaries`); readers never saw
+    them. An object whose age the store does not report is kept, as are young
+    ones: they may belong to a publish in progress. Unfinished writes under
+    ``acks/`` (replicas write there) are due only after :data:`ORPHAN_GRACE_S`.
     """
+    return classify_orphans(store, manifest, now=now, grace=grace)[0]
+
+
+def classify_orphans(
+    store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S
+) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
+    """What :func:`find_orphans` finds, split into ``(due, kept)``: kept ones are too young (or ageless)."""
     referenced = referenced_keys(manifest)
-    return [
-        info
-        for prefix in VERSION_PREFIXES
-        for info in store.list(prefix)
-        if info.key not in referenced and info.modified is not None and now - info.modified >= grace
-    ]
+    found = [(info, grace) for prefix in VERSION_PREFIXES for info in store.list(prefix) if info.key not in referenced]
+    for info in store.temporaries(""):
+        found.append((info, max(grace, ORPHAN_GRACE_S) if info.key.startswith(ACKS) else grace))
+    due, kept = [], []
+    for info, wait in found:
+        (due if info.modified is not None and now - info.modified >= wait else kept).append(info)
+    return due, kept
 
 
 def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S) -> list[str]:
@@ -390,3 +446,54 @@ def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float 
         store.delete(info.key)
         removed.append(info.key)
     return removed
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The newest version a run prefix holds: where a restarted trainer stands (:func:`last_committed`)."""
+
+    version: int
+    """The newest committed version."""
+    step: int | None
+    """The trainer step its weights come from (``None`` if the publisher was not told)."""
+    time: float
+    """When it was committed (epoch seconds, the writer's clock)."""
+    run_id: str
+    writer: str
+    """The id of the writer that owns the prefix."""
+    lease_left_s: float
+    """Seconds the owner's lease still runs (0 when it has ended: a new trainer starts without takeover)."""
+
+
+def last_committed(store: str | Store, **store_options: Any) -> Committed | None:
+    """The newest committed version of a run prefix and the step it came from; ``None`` if there is none.
+
+    A trainer killed between a commit and its own bookkeeping (an ``on_publish``
+    callback, a log line) may not know its last version was committed: this is
+    what the store says. ``deltasync status --json`` prints the same
+    (``last_committed``).
+
+    Example:
+        ```python
+        >>> last_committed("s3://bucket/run1")
+        Committed(version=108, step=108, time=..., run_id='...', writer='88a1...', lease_left_s=412.0)
+        ```
+    """
+    from .stores import open_store
+
+    opened = open_store(store, **store_options) if isinstance(store, str) else store
+    try:
+        try:
+            got = opened.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectNotFound:
+            return None
+        if got is None or not (manifest := Manifest.from_bytes(got[0])).versions:
+            return None
+        latest = manifest.versions[-1]
+        return Committed(
+            latest.version, latest.step, latest.time, manifest.run_id, manifest.writer,
+            max(0.0, manifest.lease_until - time.time()),
+        )
+    finally:
+        if opened is not store:
+            opened.close()

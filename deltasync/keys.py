@@ -4,12 +4,17 @@ A run prefix holds the manifest (the commit point), version objects and
 replica acks::
 
     manifest.json
-    deltas/<version:010d>-<suffix>[-r<rank:05d>].safetensors
-    anchors/<version:010d>-<suffix>[-r<rank:05d>]-part<part:04d>.safetensors
+    deltas/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>].safetensors
+    anchors/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>]-part<part:04d>.safetensors
     acks/<replica>.json
 
-``<suffix>`` is 8 random hex digits, so an object's key is never reused, even
-by two writers racing for the same version. ``-r<rank>`` names the rank of a
+``<writer>`` is the first 8 hex digits of the uploading publisher's writer id
+(the id the manifest records), so a key says whose it is: a trainer restarted
+after a crash publishes version 108 under its own id, never mistaken for the
+dead one's uncommitted 108. ``<random>`` makes a key unique even when one
+writer uploads a version twice (a retried upload). Keys written before writer
+ids were part of them have 8 random hex digits instead; readers never parse
+keys (they take them from the manifest), so both kinds coexist. ``-r<rank>`` names the rank of a
 sharded trainer that uploaded the object. Keys are ``/``-separated paths
 relative to the run prefix; :func:`check_key` refuses anything that could
 escape it.
@@ -36,6 +41,7 @@ __all__ = [
     "anchor_prefix",
     "anchor_part_key",
     "ack_key",
+    "writer_suffix",
 ]
 
 MANIFEST_KEY = "manifest.json"
@@ -70,6 +76,11 @@ def check_key(key: str) -> str:
                 key=key,
             )
     return key
+
+
+def writer_suffix(writer: str) -> str:
+    """A key suffix naming ``writer`` (its first 8 characters) plus 4 random hex digits."""
+    return f"{writer[:SUFFIX_HEX]}-{uuid.uuid4().hex[:4]}"
 
 
 def _version_stem(prefix: str, version: int, rank: int | None, suffix: str | None) -> str:

@@ -45,10 +45,10 @@ from .commit import ORPHAN_GRACE_S as ORPHAN_GRACE_S  # re-exported; defined wit
 from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
-from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch
+from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
 from .format import DEFAULT_LEVEL, Window, encode_anchor, encode_delta, header_ref
 from .forms import Forms, smallest
-from .keys import anchor_part_key, anchor_prefix, delta_key
+from .keys import anchor_part_key, anchor_prefix, delta_key, writer_suffix
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
 from .publish_options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, check_options
 from .stores import Store, open_store
@@ -262,6 +262,8 @@ class Publisher:
             self._snapshot, self._commits.resync = None, False
         first = self._snapshot is None
         if first:
+            if self._manifest is None:
+                self._refuse_early()
             snapshot = Snapshot.capture(self.model, dtype=self.dtype)
             t_diff = time.perf_counter() - started
             job = lambda: self._commit_first_anchor(snapshot, step, started, t_diff)  # noqa: E731
@@ -312,6 +314,18 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _refuse_early(self) -> None:
+        """Refuse another writer's live prefix (or another model's) before copying the model for the first time."""
+        live = self._specs or self._model_specs
+        check = self._uploads.submit(self._commits.check, fingerprint=fingerprint(live))
+        try:
+            check.result(timeout=OPEN_WAIT_S)  # a stalled store costs training at most this, once
+        except (StoreError, TimeoutError):
+            return  # a store that is down or slow at start-up: the worker keeps trying, training goes on
+        except (ConflictError, FingerprintMismatch) as exc:
+            self._fatal = exc
+            raise
 
     def _open(self) -> None:
         """Take ownership of the prefix for this model (see :meth:`ManifestWriter.open`)."""
@@ -386,7 +400,7 @@ class Publisher:
         t0 = time.perf_counter()
         data = self._encode_delta(changes, version)
         t_encode = time.perf_counter() - t0
-        ref = self._upload(delta_key(version, rank=self._rank), data)
+        ref = self._upload(delta_key(version, rank=self._rank, suffix=writer_suffix(self.writer)), data)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
         self._commits.commit_version(entry, (ref,))
         self._snapshot.advance(changes)
@@ -417,7 +431,7 @@ class Publisher:
 
     def _upload_anchor(self, snapshot: Snapshot, version: int) -> tuple[tuple[ObjectRef, ...], float]:
         """Encode parts one after another while earlier parts upload."""
-        prefix = anchor_prefix(version, rank=self._rank)
+        prefix = anchor_prefix(version, rank=self._rank, suffix=writer_suffix(self.writer))
         groups: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, tensor in snapshot.items():

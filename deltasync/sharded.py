@@ -46,7 +46,7 @@ import torch
 from .diff import ChangeSet, Snapshot, diff
 from .errors import ConflictError, FingerprintMismatch, StoreError
 from .format import Elements, Window
-from .keys import delta_key
+from .keys import delta_key, writer_suffix
 from .manifest import ObjectRef, VersionEntry
 from .publisher import Publisher
 from .stores import Store
@@ -356,7 +356,8 @@ class ShardedPublisher(Publisher):
             elif changes is not None and changes.nnz:
                 data = self._encode_delta(changes, version)
                 t_encode = time.perf_counter() - t0
-                refs, nnz = (self._upload(delta_key(version, rank=self._rank), data),), changes.nnz
+                key = delta_key(version, rank=self._rank, suffix=writer_suffix(self.writer))
+                refs, nnz = (self._upload(key, data),), changes.nnz
             else:
                 refs, nnz, t_encode = (), 0, 0.0
             upload = time.perf_counter() - t0 - t_encode

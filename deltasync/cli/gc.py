@@ -2,7 +2,8 @@
 
 Retired objects are dropped from the manifest by a compare-and-swap write first, then deleted; on a
 store without compare-and-swap, or while a writer's lease is live, they are left to the publisher.
-Orphans (objects under ``deltas/`` and ``anchors/`` that no manifest names) are deleted once older
+Orphans (objects under ``deltas/`` and ``anchors/`` that no manifest names, and unfinished writes a
+killed process left, such as the local store's ``.tmp-*`` files) are deleted once older
 than the grace period, which never drops below the publisher's while a lease is live. Replica acks
 (``acks/<replica>.json``) are deleted when they belong to another run or were last written longer
 ago than ``--ack-ttl`` (replicas that are gone). ``--dry-run`` lists what would go and deletes nothing.
@@ -15,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..acks import ACK_TTL_S, stale_acks
-from ..commit import ORPHAN_GRACE_S, find_orphans, orphan_grace, plan_retired_cleanup
+from ..commit import ORPHAN_GRACE_S, classify_orphans, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
 from ..keys import MANIFEST_KEY
 from ..manifest import RETIRE_GRACE_S, Manifest
@@ -67,13 +68,22 @@ def _object_size(store: Store, key: str) -> int | None:
 
 def _gc_orphans(
     store: Store, manifest: Manifest, *, now: float, grace: float, dry_run: bool
-) -> list[tuple[str, int | None]]:
-    """Objects under ``deltas/`` and ``anchors/`` that no manifest names, older than ``grace``."""
-    orphans = find_orphans(store, manifest, now=now, grace=grace)
+) -> tuple[list[tuple[str, int | None]], str | None]:
+    """Objects under ``deltas/`` and ``anchors/`` that no manifest names, and unfinished writes, older than
+    ``grace``; and a note on those kept (younger), saying why and what removes them."""
+    orphans, kept = classify_orphans(store, manifest, now=now, grace=grace)
     if not dry_run:
         for info in orphans:
             store.delete(info.key)
-    return [(info.key, info.size) for info in orphans]
+    note = None
+    if kept:
+        size = format_size(sum(info.size or 0 for info in kept))
+        note = (
+            f"kept {len(kept)} objects ({size}) that no manifest names, younger than {grace:.0f} s (or of unknown "
+            "age): a publish may still be uploading them. Once no trainer publishes here, `deltasync gc --grace 0` "
+            "deletes them; a trainer that takes the prefix over reclaims them at once"
+        )
+    return [(info.key, info.size) for info in orphans], note
 
 
 def _gc_acks(store: Store, manifest: Manifest, *, now: float, ttl: float, dry_run: bool) -> list[tuple[str, int | None]]:
@@ -113,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         if orphans_grace > asked:  # a live writer's uploads are unnamed until its manifest write
             notes.append(f"a writer's lease is live: orphans younger than {ORPHAN_GRACE_S:.0f} s are kept")
         retired, note = _gc_retired(store, manifest, etag, now=now, grace=retire_grace, dry_run=args.dry_run)
-        orphans = _gc_orphans(store, manifest, now=now, grace=orphans_grace, dry_run=args.dry_run)
+        orphans, kept_note = _gc_orphans(store, manifest, now=now, grace=orphans_grace, dry_run=args.dry_run)
+        notes += [kept_note] if kept_note else []
         acks = _gc_acks(store, manifest, now=now, ttl=args.ack_ttl, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"gc {safe_url(store.url)}{' (dry run)' if args.dry_run else ''}")

@@ -33,8 +33,14 @@ def _printable(value: Any, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def collect_status(url: str, manifest: Manifest, acks: Sequence[Any], *, now: float, limit: int) -> dict[str, Any]:
-    """Everything ``deltasync status`` shows, JSON-able (ages in seconds relative to ``now``)."""
+def collect_status(
+    url: str, manifest: Manifest, acks: Sequence[Any], *, now: float, limit: int,
+    leftovers: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """Everything ``deltasync status`` shows, JSON-able (ages in seconds relative to ``now``).
+
+    ``leftovers``: objects no manifest names and unfinished writes (``ObjectInfo``), whatever their age.
+    """
     latest = manifest.versions[-1] if manifest.versions else None
     sizes = summarize(manifest)
     newest = reversed(manifest.versions[-limit:]) if limit > 0 else ()
@@ -55,6 +61,9 @@ def collect_status(url: str, manifest: Manifest, acks: Sequence[Any], *, now: fl
         "anchor_bytes": sizes["anchor_bytes"],
         "total_bytes": sizes["delta_bytes"] + sizes["anchor_bytes"],
         "retired_pending": len(manifest.retired),
+        "leftovers": len(leftovers),
+        "leftover_bytes": sum(info.size or 0 for info in leftovers),
+        "last_committed": None if latest is None else {"version": latest.version, "step": latest.step},
         "versions": [_version_row(e, manifest.numel, now) for e in newest],
         "replicas": sorted(replicas, key=lambda r: r["replica"]),
     }
@@ -119,6 +128,11 @@ def _print_status(info: dict[str, Any], now: float) -> None:
         f"{format_size(info['anchor_bytes'])}, total {format_size(info['total_bytes'])}; "
         f"{info['retired_pending']} retired objects pending deletion"
     )
+    if info["leftovers"]:
+        print(
+            f"leftovers  {info['leftovers']} objects ({format_size(info['leftover_bytes'])}) that no manifest names: "
+            "uploads of a publish in progress or of a crashed one, and unfinished writes (`deltasync gc` reclaims them)"
+        )
     _print_versions(info["versions"])
     _print_replicas(info["replicas"])
 
@@ -189,13 +203,15 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print a run prefix's status (tables, or JSON with ``--json``)."""
+    from ..commit import classify_orphans
     from ..subscriber import read_acks
 
     with open_existing(args.url) as store:
         manifest, _ = load_manifest(store)
         acks = read_acks(store)
-    now = time.time()
-    info = collect_status(store.url, manifest, acks, now=now, limit=args.versions)
+        now = time.time()
+        due, kept = classify_orphans(store, manifest, now=now)
+    info = collect_status(store.url, manifest, acks, now=now, limit=args.versions, leftovers=due + kept)
     if args.json:
         print_json(info)
     else:

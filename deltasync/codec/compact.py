@@ -226,8 +226,8 @@ class CompactCodec(Codec):
     def _check_digest(self, values: np.ndarray, params: Params, spec: TensorSpec) -> None:
         if values_digest(values) != params.get("sum"):
             raise IntegrityError(
-                f"{spec.name}: decoded values do not match the publisher's: this receiver's "
-                "weights differ from the delta's base version; resync from an anchor",
+                f"{spec.name}: decoded values do not match the publisher's: this receiver's weights differ "
+                "from the delta's base version, or the delta was altered; resync from an anchor",
                 name=spec.name,
             )
 

@@ -16,9 +16,9 @@ import safetensors.torch
 import torch
 
 from ..codec import BaseLookup, Decoded, get_codec
-from ..errors import CodecError, DeltaFormatError
+from ..errors import CodecError, DeltaFormatError, IntegrityError
 from ..tensors import TensorSpec
-from .header import Header, TensorEntry, read_header
+from .header import Header, TensorEntry, entry_digest, read_header
 
 __all__ = ["decode", "decode_entries", "combine"]
 
@@ -97,8 +97,36 @@ def decode_entries(
         lookup = base
         if base is not None and entry.offset:
             lookup = functools.partial(_shifted_lookup, base, entry.offset)
-        decoded[name] = _place(codecs[name].decode(grouped[name], entry.params, entry.local_spec, entry.nnz, lookup), entry)
+        try:
+            patch = codecs[name].decode(grouped[name], entry.params, entry.local_spec, entry.nnz, lookup)
+        except IntegrityError as exc:
+            _blame(name, entry, grouped[name], exc)
+            raise
+        decoded[name] = _place(patch, entry)
     return decoded
+
+
+def _blame(name: str, entry: TensorEntry, parts: Mapping[str, torch.Tensor], exc: IntegrityError) -> None:
+    """After a failed integrity check, say which side is at fault where the file can tell.
+
+    The header records a sha256 of each entry's bytes: if they differ from it the payload was altered
+    after it was written; if they match it, the receiver's base is not the delta's.
+    """
+    if entry.sha256 is None:
+        return  # a file without entry digests: the codec's message stands
+    if entry_digest([parts[key] for key in sorted(parts)]) != entry.sha256:
+        raise IntegrityError(
+            f"{name}: the delta's bytes for this tensor differ from what its publisher hashed (its header's "
+            "sha256): the object was altered after it was written. This replica's weights are not at fault and "
+            "were not touched; it keeps its version until the publisher writes an intact one",
+            name=name,
+        ) from exc
+    raise IntegrityError(
+        f"{name}: the delta's bytes are intact (they match its header's sha256), but decoding them against this "
+        "receiver's weights did not reproduce the publisher's values: this receiver does not hold the delta's base "
+        "version (its weights were changed outside deltasync, or it missed a version); resync from an anchor",
+        name=name,
+    ) from exc
 
 
 def _shifted_lookup(base: BaseLookup, offset: int, name: str, indices: np.ndarray) -> np.ndarray:

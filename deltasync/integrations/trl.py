@@ -76,6 +76,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from ..commit import last_committed
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
@@ -210,7 +211,24 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             return  # one writer per run prefix: the world's main process
         elif self.publisher is None:
             self.publisher = Publisher(weights, self.store, on_publish=self._collect, **self.publisher_options)
+        if state.global_step and self.publisher is not None and state.is_world_process_zero:
+            self._note_resume(state.global_step)
         self._publish(state.global_step)  # the anchor every replica can start from
+
+    def _note_resume(self, step: int) -> None:
+        """A resumed run: say where the store stands; the first version is an anchor of the restored weights."""
+        try:
+            committed = last_committed(self.publisher.store)
+        except DeltaSyncError:
+            return
+        if committed is None or committed.step is None:
+            return
+        logger.info(
+            "deltasync: resuming at step %d; %s holds v%d from step %d, and replicas follow this run's anchor "
+            "of the restored weights (v%d)%s", step, self.publisher.store.url, committed.version, committed.step,
+            committed.version + 1,
+            f": they go back {committed.step - step} steps" if committed.step > step else "",
+        )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._state = state

@@ -195,6 +195,17 @@ class Store(ABC):
         data = self.get(key, max_bytes=max_bytes)
         return data, ObjectInfo(key, len(data), info.etag, info.modified)
 
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Unfinished writes under ``prefix`` that the backend keeps out of :meth:`list`, with their age.
+
+        A process killed while writing can leave them behind (the local store's
+        ``.tmp-*`` files); orphan sweeps and ``deltasync gc`` reclaim them like
+        orphaned objects, and ``deltasync status`` counts them. :meth:`delete`
+        removes one by its key. The default (object stores, whose unfinished
+        uploads are not objects) yields nothing.
+        """
+        return iter(())
+
     def change_feed(self) -> ChangeFeed | None:
         """A push notification source for changed keys, where the backend has one.
 

@@ -124,11 +124,18 @@ class LocalStore(Store):
             return _info(key, st)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._walk(prefix, temporary=False)
+
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """``.tmp-*`` files under ``prefix``: writes that a killed process never finished (or one in progress)."""
+        return self._walk(prefix, temporary=True)
+
+    def _walk(self, prefix: str, *, temporary: bool) -> Iterator[ObjectInfo]:
         # os.walk does not enter symlinked directories (followlinks=False); lstat skips the rest.
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames.sort()
             for name in sorted(filenames):
-                if name.startswith(TMP_PREFIX) or name == _LOCK:
+                if name.startswith(TMP_PREFIX) != temporary or name == _LOCK:
                     continue
                 path = os.path.join(dirpath, name)
                 key = Path(path).relative_to(self.root).as_posix()

@@ -40,6 +40,9 @@ class DelegatingStore(Store):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.temporaries(prefix)
+
     def get_if_changed(
         self, key: str, etag: str | None, *, max_bytes: int | None = None
     ) -> tuple[bytes, ObjectInfo] | None:
