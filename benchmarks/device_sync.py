@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for n in replica)
         publisher.close()
         delta_bytes = len(data)
-        rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"], "spread": [t_diff, t_floor_diff]}
+        rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"],
+                        "spread": [t_diff, t_floor_diff]}
         rows["decode"] = {"deltasync": t_decode["median"], "floor": t_floor_decode["median"],
                           "changes_per_s": nnz / t_decode["median"], "spread": [t_decode, t_floor_decode]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
     print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
-          f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), exact: {result['exact']}")
+          f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), "
+          f"exact: {result['exact']}")
     print(table(rows, ["stage", "deltasync", "floor", "ratio", ""]))
     print(f"wrote {path}")
     return result

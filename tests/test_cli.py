@@ -464,3 +464,95 @@ class TestGc:
         out = capsys.readouterr().out
         assert sorted(p.name for p in acks.iterdir()) == ["alive.json"]
         assert "deleted ack      acks/gone.json" in out and "acks/old-run.json" in out
+
+
+class TestLeftovers:
+    """What a killed trainer leaves: found by status, reclaimed by gc and at once by the next writer."""
+
+    def test_unfinished_writes_are_counted_and_reclaimed_by_age(self, trainer: Any, capsys: Any) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        publisher.close()
+        stale = orphan(url, "anchors/.tmp-0123456789abcdef", age_s=7200)
+        fresh = orphan(url, ".tmp-fedcba9876543210", age_s=5)  # a manifest write in progress, maybe
+        assert main(["status", url, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["leftovers"] == 2 and info["leftover_bytes"] == stale + fresh
+        assert info["last_committed"] == {"version": 1, "step": 1}
+        assert main(["gc", url]) == 0
+        out = capsys.readouterr().out
+        assert "deleted orphan   anchors/.tmp-0123456789abcdef" in out
+        assert "kept 1 objects" in out and "--grace 0" in out  # says what it keeps, why, and the flag
+        assert not (Path(url) / "anchors/.tmp-0123456789abcdef").exists()
+        assert (Path(url) / ".tmp-fedcba9876543210").exists()
+
+    def test_a_takeover_reclaims_a_dead_writers_uploads_and_temp_files_at_once(self, trainer: Any) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))  # the writer "dies": its lease stays live
+        uploads = [orphan(url, f"deltas/0000000002-{publisher.writer[:8]}-0001.safetensors", age_s=1),
+                   orphan(url, "anchors/.tmp-00000000000000000000000000000001", age_s=1)]
+        assert all(uploads)
+        with Publisher(model, url, takeover=True) as second:
+            second.publish(2, block=True)
+            second.flush()
+            keys = {i.key for p in ("deltas/", "anchors/") for i in LocalStore(url).list(p)}
+            assert all(k.split("/")[1].split("-")[1] in (publisher.writer[:8], second.writer[:8]) for k in keys)
+        assert not (Path(url) / f"deltas/0000000002-{publisher.writer[:8]}-0001.safetensors").exists()
+        assert list(LocalStore(url).temporaries()) == []
+
+    def test_a_live_lease_is_refused_before_the_model_is_copied(self, trainer: Any, monkeypatch: Any) -> None:
+        import deltasync.publisher as publisher_module
+        from deltasync.errors import ConflictError
+
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(1))
+        copies = []
+        monkeypatch.setattr(publisher_module.Snapshot, "capture", classmethod(lambda cls, *a, **k: copies.append(a)))
+        with pytest.raises(ConflictError, match=r"lease runs \d+ s more .* UTC"):
+            Publisher(Tiny(), url).publish(0)
+        assert copies == []
+
+    def test_last_committed(self, trainer: Any) -> None:
+        from deltasync import last_committed
+
+        url, model, publisher, gen = trainer
+        assert last_committed(url) is None
+        publish_steps(publisher, model, gen, range(3))
+        got = last_committed(url)
+        assert got is not None and (got.version, got.step) == (2, 2) and got.writer == publisher.writer
+        assert got.lease_left_s > 0
+        publisher.close()
+        assert last_committed(url).lease_left_s == 0
+
+
+def test_a_damaged_payload_and_a_wrong_base_are_told_apart(tmp_path: Path) -> None:
+    """A delta's bytes altered after publishing (with a manifest forged to match) vs a receiver whose weights
+    are not the delta's base: both refused, each error naming the side at fault."""
+    from deltasync.diff import Snapshot, diff
+    from deltasync.errors import IntegrityError
+    from deltasync.format import decode, encode_delta
+
+    weights = {"w": torch.randn(4096) * 0.02}
+    snapshot = Snapshot.capture(weights)
+    weights["w"][::7] *= 1.01
+    data = bytearray(encode_delta(diff(snapshot, weights), version=1, base_version=0))
+    base = {"w": snapshot["w"].clone()}
+    applier = TorchModuleApplier(base)
+    # Alter the values part into another valid zstd frame, keeping the header (and its entry digest) as is.
+    import struct
+
+    import safetensors.torch
+    import zstandard
+
+    size = struct.unpack("<Q", bytes(data[:8]))[0]
+    metadata = json.loads(bytes(data[8 : 8 + size]))["__metadata__"]
+    entries = safetensors.torch.load(bytes(data))
+    plain = bytearray(zstandard.ZstdDecompressor().decompress(entries["w::val"].numpy().tobytes()))
+    plain[0] ^= 0x02
+    entries["w::val"] = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(plain))), dtype=torch.uint8)
+    damaged = safetensors.torch.save(entries, metadata=metadata)
+    with pytest.raises(IntegrityError, match="altered after it was written"):
+        decode(damaged, base=applier.lookup)
+    base["w"].view(torch.int16)[::7] += 1  # a receiver one step off the delta's base
+    with pytest.raises(IntegrityError, match="does not hold the delta's base"):
+        decode(bytes(data), base=TorchModuleApplier(base).lookup)

@@ -320,3 +320,45 @@ def test_server_version_labels_are_tied_to_the_run() -> None:
     assert parse_version_label(version_label(7, "another-run-0000"), run) is None
     assert parse_version_label("7", run) == 7  # a label without a run id is taken as it is
     assert parse_version_label("default", run) is None and parse_version_label(None, run) is None
+
+
+@needs_transformers
+def test_resume_from_checkpoint_publishes_the_restored_weights(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer that saved at step 2 got to step 4; a new one resumes from checkpoint-2 (with takeover=True,
+    as after a crash): its first version is an anchor of step 2's weights, and a replica ends exact."""
+    import logging
+
+    import transformers
+
+    from deltasync import Subscriber, last_committed
+    from deltasync.integrations import DeltaSyncCallback
+
+    store = str(tmp_path / "run")
+
+    def make(model: torch.nn.Module, steps: int) -> Any:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
+            report_to="none", use_cpu=True, save_strategy="steps", save_steps=2, remove_unused_columns=False,
+            disable_tqdm=True, lr_scheduler_type="constant",
+        )
+        return transformers.Trainer(model=model, args=args, train_dataset=_data())
+
+    torch.manual_seed(0)
+    first = make(Tiny(), 4)
+    callback = DeltaSyncCallback(store).attach(first)
+    first.train()
+    assert last_committed(store).step == 4  # it got to step 4; the run is resumed from its step-2 checkpoint
+
+    torch.manual_seed(1)
+    model = Tiny()
+    second = make(model, 6)
+    resumed = DeltaSyncCallback(store, takeover=True).attach(second)
+    with caplog.at_level(logging.INFO, logger="deltasync.trl"):
+        second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert "resuming at step 2" in caplog.text and "go back 2 steps" in caplog.text
+    assert resumed.history[0].kind == "anchor" and resumed.history[0].step == 2
+    assert last_committed(store).step == 6
+    replica = Tiny()
+    Subscriber(store, TorchModuleApplier(replica)).update()
+    for name, param in model.named_parameters():
+        assert torch.equal(_bits(param), _bits(replica.get_parameter(name))), name
