@@ -51,7 +51,8 @@ from _common import human_bytes, loopback_store, machine, write_json  # noqa: E4
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.demo.workload import make_weights, train_step  # noqa: E402
-from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys  # noqa: E402
+from deltasync.manifest import MANIFEST_KEY, Manifest  # noqa: E402
+from deltasync.retired import named_keys  # noqa: E402
 from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
 from deltasync.stores import open_store  # noqa: E402
 from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
@@ -303,7 +304,7 @@ class Soak:
         checks["store_bounded"] = not over
         manifest = Manifest.from_bytes(store.get(MANIFEST_KEY))
         acks = {f"acks/{n}.json" for n in self.replicas}
-        leftover = {i.key for i in store.list("")} - referenced_keys(manifest) - acks - {MANIFEST_KEY}
+        leftover = {i.key for i in store.list("")} - named_keys(store, manifest) - acks
         checks["nothing_unnamed_left"] = not leftover
 
         slack = args.rss_slack_mb << 20

@@ -13,7 +13,7 @@ The trainer publishes; replicas follow; the store is the wire::
 from __future__ import annotations
 
 from .appliers import TorchModuleApplier
-from .commit import Committed, last_committed
+from .resume import Committed, last_committed
 from .errors import DeltaSyncError
 from .publisher import Publisher
 from .stores import open_store

@@ -26,7 +26,7 @@ lock older than that (its holder died). So each object is read from the store
 once per cache directory, except after a crashed or very slow filler. Files
 appear by atomic rename, so no reader sees a partial one.
 
-Bounded size: keys a manifest lists as retired are dropped when the manifest is
+Bounded size: keys that leave the manifest (retention retired them) are dropped when the manifest is
 read, and after each fill the oldest files (by mtime, refreshed on every hit)
 go until the cache is under ``max_bytes``. Files of objects deleted from the
 store are simply never asked for again and age out.
@@ -226,9 +226,12 @@ class CachedStore(DelegatingStore):
             if ref.key != MANIFEST_KEY and not ref.key.startswith(_MUTABLE_PREFIXES)
         }
         # The previous manifest's objects stay cacheable: a route planned from it may still be fetching.
+        # Their cached copies go, though, once retention dropped them (they left the manifest; manifests
+        # from before retired keys moved to retired.json also list them).
+        left = (self._current.keys() - current.keys()) | {key for key, _ in manifest.retired if key not in current}
         self._refs, self._current = {**self._current, **current}, current
-        for key, _ in manifest.retired:
-            if key not in current and self._drop(key):
+        for key in left:
+            if self._drop(key):
                 self._count("evicted")
 
     # ------------------------------------------------------------------ the cache files

@@ -28,10 +28,11 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed, StoreError
 from .keys import ACKS, MANIFEST_KEY, VERSION_PREFIXES
+from .retired import RetiredLog, named_keys
 from .manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -40,7 +41,6 @@ from .manifest import (
     deletable,
     new_manifest,
     plan_retention,
-    referenced_keys,
     replace_manifest,
 )
 
@@ -51,9 +51,7 @@ __all__ = [
     "ManifestWriter",
     "ORPHAN_GRACE_S",
     "RetiredCleanup",
-    "Committed",
     "classify_orphans",
-    "last_committed",
     "find_orphans",
     "sweep_orphans",
     "orphan_grace",
@@ -102,6 +100,7 @@ class ManifestWriter:
         """The stored manifest's etag, for compare-and-swap; ``None`` while the prefix has none."""
         self.resync = False
         """Set when the stored manifest is uncertain: the caller starts over with a fresh anchor."""
+        self._retired: RetiredLog | None = None  # the retired list, read on the first write
 
     # ------------------------------------------------------------------ ownership
 
@@ -264,9 +263,12 @@ class ManifestWriter:
         """
         now = time.time()
         retained = plan_retention(manifest, keep_anchors=self.keep_anchors, now=now)
-        due, retained = deletable(retained, now=now, grace=self.retire_grace_s)
+        if self._retired is None or self._retired.run_id != retained.run_id:
+            self._retired = RetiredLog(self.store, retained.run_id)
+        # Dropped objects are listed beside the manifest (retired.json) before it stops naming them.
+        due = self._retired.before_commit(retained.retired, now=now, grace=self.retire_grace_s)
         lease = self.lease_s if lease_s is None else lease_s
-        retained = replace_manifest(retained, updated=now, lease_until=now + lease)
+        retained = replace_manifest(retained, retired=(), updated=now, lease_until=now + lease)
         for _ in range(WRITE_ATTEMPTS):
             try:
                 info = self._put(retained)
@@ -286,11 +288,17 @@ class ManifestWriter:
         else:
             raise ConflictError(f"{self.store.url}/{MANIFEST_KEY} keeps changing under this publisher")
         self.manifest, self.etag = retained, info.etag
+        deleted = []
         for key in due:
             try:
                 self.store.delete(key)
+                deleted.append(key)
             except DeltaSyncError as exc:  # committed regardless; gc or the next takeover sweeps it
                 logger.warning("could not delete retired %s: %s", key, exc)
+        try:
+            self._retired.after_delete(deleted)
+        except DeltaSyncError as exc:
+            logger.warning("could not update %s after deleting retired objects: %s", self.store.url, exc)
 
     def _put(self, manifest: Manifest) -> ObjectInfo:
         data = manifest.to_bytes()
@@ -425,7 +433,7 @@ def classify_orphans(
     store: Store, manifest: Manifest, *, now: float, grace: float = ORPHAN_GRACE_S
 ) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
     """What :func:`find_orphans` finds, split into ``(due, kept)``: kept ones are too young (or ageless)."""
-    referenced = referenced_keys(manifest)
+    referenced = named_keys(store, manifest)
     found = [(info, grace) for prefix in VERSION_PREFIXES for info in store.list(prefix) if info.key not in referenced]
     for info in store.temporaries(""):
         found.append((info, max(grace, ORPHAN_GRACE_S) if info.key.startswith(ACKS) else grace))
@@ -446,54 +454,3 @@ def sweep_orphans(store: Store, manifest: Manifest, *, now: float, grace: float 
         store.delete(info.key)
         removed.append(info.key)
     return removed
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """The newest version a run prefix holds: where a restarted trainer stands (:func:`last_committed`)."""
-
-    version: int
-    """The newest committed version."""
-    step: int | None
-    """The trainer step its weights come from (``None`` if the publisher was not told)."""
-    time: float
-    """When it was committed (epoch seconds, the writer's clock)."""
-    run_id: str
-    writer: str
-    """The id of the writer that owns the prefix."""
-    lease_left_s: float
-    """Seconds the owner's lease still runs (0 when it has ended: a new trainer starts without takeover)."""
-
-
-def last_committed(store: str | Store, **store_options: Any) -> Committed | None:
-    """The newest committed version of a run prefix and the step it came from; ``None`` if there is none.
-
-    A trainer killed between a commit and its own bookkeeping (an ``on_publish``
-    callback, a log line) may not know its last version was committed: this is
-    what the store says. ``deltasync status --json`` prints the same
-    (``last_committed``).
-
-    Example:
-        ```python
-        >>> last_committed("s3://bucket/run1")
-        Committed(version=108, step=108, time=..., run_id='...', writer='88a1...', lease_left_s=412.0)
-        ```
-    """
-    from .stores import open_store
-
-    opened = open_store(store, **store_options) if isinstance(store, str) else store
-    try:
-        try:
-            got = opened.get_if_changed(MANIFEST_KEY, None, max_bytes=MAX_MANIFEST_BYTES)
-        except ObjectNotFound:
-            return None
-        if got is None or not (manifest := Manifest.from_bytes(got[0])).versions:
-            return None
-        latest = manifest.versions[-1]
-        return Committed(
-            latest.version, latest.step, latest.time, manifest.run_id, manifest.writer,
-            max(0.0, manifest.lease_until - time.time()),
-        )
-    finally:
-        if opened is not store:
-            opened.close()

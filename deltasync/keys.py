@@ -4,6 +4,7 @@ A run prefix holds the manifest (the commit point), version objects and
 replica acks::
 
     manifest.json
+    retired.json
     deltas/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>].safetensors
     anchors/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>]-part<part:04d>.safetensors
     acks/<replica>.json
@@ -32,6 +33,7 @@ from .errors import ManifestError
 
 __all__ = [
     "MANIFEST_KEY",
+    "RETIRED_KEY",
     "DELTAS",
     "ANCHORS",
     "ACKS",
@@ -46,6 +48,8 @@ __all__ = [
 
 MANIFEST_KEY = "manifest.json"
 """The manifest's key: the one object that is rewritten, and the commit point."""
+RETIRED_KEY = "retired.json"
+"""Objects retention dropped, waiting out their grace period (:mod:`deltasync.retired`); writers and gc read it."""
 DELTAS = "deltas/"
 """Prefix of delta objects."""
 ANCHORS = "anchors/"

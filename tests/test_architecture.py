@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "deltasync.format": 4,
     "deltasync.manifest": 5,
     "deltasync.commit": 6,
+    "deltasync.retired": 6,
+    "deltasync.resume": 6,
     "deltasync.publish_options": 6,
     "deltasync.acks": 6,
     "deltasync.fetch": 6,

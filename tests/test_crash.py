@@ -29,7 +29,6 @@ import torch
 
 from deltasync import Subscriber, TorchModuleApplier, last_committed, open_store
 from deltasync.keys import VERSION_PREFIXES
-from deltasync.manifest import referenced_keys
 from tests.crash_helpers import SHAPES, digest, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,12 +102,15 @@ def test_killed_trainers_restart_and_leave_nothing_behind(backend: str, servers:
             expected[row["step"]] = digest({n: t.to(torch.bfloat16) for n, t in weights(row["step"]).items()})
         assert row["digest"] == expected[row["step"]], (row, restarts)
 
-    # Nothing lies in the store that the manifest does not name: no orphans, no unfinished writes.
+    # Nothing lies in the store that the manifest (or its retired list) does not name: no orphans, no
+    # unfinished writes.
     opened = open_store(store, **options)
     from deltasync.manifest import MANIFEST_KEY, Manifest
 
     manifest = Manifest.from_bytes(opened.get(MANIFEST_KEY))
-    named = referenced_keys(manifest)
+    from deltasync.retired import named_keys
+
+    named = named_keys(opened, manifest)  # retired ones wait out their grace, listed beside the manifest
     stray = [i.key for p in VERSION_PREFIXES for i in opened.list(p) if i.key not in named]
     stray += [i.key for i in opened.temporaries("")]
     assert not stray, stray

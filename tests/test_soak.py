@@ -24,7 +24,8 @@ import torch
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.demo.workload import make_weights, train_step
-from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys
+from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.retired import named_keys
 from deltasync.publisher import Publisher, PublishInfo
 from deltasync.stores import open_store
 from deltasync.subscriber import Subscriber, UpdateInfo
@@ -171,7 +172,7 @@ def test_soak_quick(tmp_path: Path) -> None:
     assert max(b for _, b in samples) <= bound_bytes, (max(samples), bound_bytes)
     manifest = Manifest.from_bytes(store.get(MANIFEST_KEY))
     acks = {f"acks/{f.replica_name}.json" for f in followers}
-    leftover = {i.key for i in store.list("")} - referenced_keys(manifest) - acks - {MANIFEST_KEY}
+    leftover = {i.key for i in store.list("")} - named_keys(store, manifest) - acks
     assert not leftover, sorted(leftover)[:5]
     assert len(manifest.anchors()) == KEEP_ANCHORS
     print(

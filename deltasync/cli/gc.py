@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from ..acks import ACK_TTL_S, stale_acks
 from ..commit import ORPHAN_GRACE_S, classify_orphans, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
-from ..keys import MANIFEST_KEY
+from ..keys import MANIFEST_KEY, RETIRED_KEY
 from ..manifest import RETIRE_GRACE_S, Manifest
+from ..retired import read_retired, write_retired
 from .common import format_duration, format_size, load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:
@@ -56,6 +57,36 @@ def _gc_retired(
         return [], "the manifest changed while gc ran (a publisher is active): retired objects left alone; run gc again"
     for key, _ in removed:
         store.delete(key)
+    return removed, None
+
+
+def _gc_retired_list(
+    store: Store, manifest: Manifest, *, now: float, grace: float, dry_run: bool
+) -> tuple[list[tuple[str, int | None]], str | None]:
+    """Keys of ``retired.json`` past their grace: deleted, then dropped from the list (the publisher's own
+    order); left to the publisher while its lease is live."""
+    listed = read_retired(store)
+    due = [key for key, when in listed.entries if now - when >= grace]
+    if not due:
+        return [], None
+    if not store.conditional_writes:
+        return [], f"{len(due)} retired objects are due, but this store has no compare-and-swap: left to the publisher"
+    if manifest.lease_until > now:
+        return [], (
+            f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
+            f"{format_duration(manifest.lease_until - now)} and deletes them itself"
+        )
+    removed = [(key, _object_size(store, key)) for key in due]
+    if dry_run:
+        return removed, None
+    for key, _ in removed:
+        store.delete(key)
+    gone = set(due)
+    try:
+        write_retired(store, tuple((k, t) for k, t in listed.entries if k not in gone), run_id=manifest.run_id,
+                      etag=listed.etag)
+    except PreconditionFailed:
+        return removed, f"{RETIRED_KEY} changed while gc ran: it may still name deleted objects (harmless)"
     return removed, None
 
 
@@ -123,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         if orphans_grace > asked:  # a live writer's uploads are unnamed until its manifest write
             notes.append(f"a writer's lease is live: orphans younger than {ORPHAN_GRACE_S:.0f} s are kept")
         retired, note = _gc_retired(store, manifest, etag, now=now, grace=retire_grace, dry_run=args.dry_run)
+        listed, listed_note = _gc_retired_list(store, manifest, now=now, grace=retire_grace, dry_run=args.dry_run)
+        retired += listed
+        notes += [listed_note] if listed_note else []
         orphans, kept_note = _gc_orphans(store, manifest, now=now, grace=orphans_grace, dry_run=args.dry_run)
         notes += [kept_note] if kept_note else []
         acks = _gc_acks(store, manifest, now=now, ttl=args.ack_ttl, dry_run=args.dry_run)

@@ -35,11 +35,12 @@ def _printable(value: Any, limit: int = 64) -> str:
 
 def collect_status(
     url: str, manifest: Manifest, acks: Sequence[Any], *, now: float, limit: int,
-    leftovers: Sequence[Any] = (),
+    leftovers: Sequence[Any] = (), retired_listed: int = 0,
 ) -> dict[str, Any]:
     """Everything ``deltasync status`` shows, JSON-able (ages in seconds relative to ``now``).
 
-    ``leftovers``: objects no manifest names and unfinished writes (``ObjectInfo``), whatever their age.
+    ``leftovers``: objects no manifest names and unfinished writes (``ObjectInfo``), whatever their age;
+    ``retired_listed``: retired objects listed beside the manifest (``retired.json``), pending deletion.
     """
     latest = manifest.versions[-1] if manifest.versions else None
     sizes = summarize(manifest)
@@ -60,7 +61,7 @@ def collect_status(
         "delta_bytes": sizes["delta_bytes"],
         "anchor_bytes": sizes["anchor_bytes"],
         "total_bytes": sizes["delta_bytes"] + sizes["anchor_bytes"],
-        "retired_pending": len(manifest.retired),
+        "retired_pending": len(manifest.retired) + retired_listed,
         "leftovers": len(leftovers),
         "leftover_bytes": sum(info.size or 0 for info in leftovers),
         "last_committed": None if latest is None else {"version": latest.version, "step": latest.step},
@@ -204,6 +205,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print a run prefix's status (tables, or JSON with ``--json``)."""
     from ..commit import classify_orphans
+    from ..retired import read_retired
     from ..subscriber import read_acks
 
     with open_existing(args.url) as store:
@@ -211,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
         acks = read_acks(store)
         now = time.time()
         due, kept = classify_orphans(store, manifest, now=now)
-    info = collect_status(store.url, manifest, acks, now=now, limit=args.versions, leftovers=due + kept)
+        listed = len(read_retired(store).entries)
+    info = collect_status(
+        store.url, manifest, acks, now=now, limit=args.versions, leftovers=due + kept, retired_listed=listed
+    )
     if args.json:
         print_json(info)
     else:

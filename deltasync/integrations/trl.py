@@ -76,7 +76,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from ..commit import last_committed
+from ..resume import last_committed
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
