@@ -305,3 +305,27 @@ class TestUserCallbacks:
         sub.close()
         assert len(Manifest.from_bytes(store.get(MANIFEST_KEY)).anchors()) >= 2
         assert_exact(trainer, rep)
+
+
+def test_the_manifest_does_not_grow_with_the_publish_rate() -> None:
+    """Retention retires objects every few versions; with a 300 s grace they pile up in retired.json, not in
+    the manifest every replica re-reads."""
+    from deltasync.retired import read_retired
+
+    store = MemoryStore("manifest-size")
+    trainer = model()
+    sizes = []
+    with Publisher(trainer, store, anchor_every=5, keep_anchors=1) as publisher:
+        for step in range(80):
+            with torch.no_grad():
+                next(trainer.parameters()).view(-1)[step % 7] += 0.01 * (step + 1)
+            publisher.publish(step, block=True)
+            publisher.flush()
+            sizes.append(len(store.get(MANIFEST_KEY)))
+    assert Manifest.from_bytes(store.get(MANIFEST_KEY)).retired == ()
+    assert max(sizes[40:]) <= 1.05 * max(sizes[10:40])  # bounded by the live versions
+    assert len(read_retired(store).entries) > 40  # what waits out its grace is listed beside it
+    replica = model(seed=1)
+    Subscriber(store, TorchModuleApplier(replica)).update()
+    assert all(torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16))
+               for a, b in zip(trainer.parameters(), replica.parameters()))
