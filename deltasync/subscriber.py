@@ -50,6 +50,7 @@ __all__ = ["Subscriber", "UpdateInfo", "Applier", "read_acks", "ACK_TTL_S", "BAD
 logger = logging.getLogger("deltasync.subscriber")
 
 POLL_INTERVAL_S = 1.0  # first poll interval after a change
+WAITING_LOG_S = 60.0  # while nothing is published, say so this often (and once at the start)
 MAX_POLL_INTERVAL_S = 15.0  # idle backoff cap: a change is seen within 15 s at worst
 FETCH_WORKERS = 4  # parallel downloads
 
@@ -149,6 +150,7 @@ class Subscriber:
         self._version: int | None = start_version
         self._run_id: str | None = run_id
         self._etag: str | None = None
+        self._waiting_since: float | None = None  # when "waiting for a first version" was last logged
         self._manifest: Manifest | None = None
         self._fetcher = Fetcher(self.store, applier, workers=fetch_workers, only=only)
         self._changed = threading.Condition()
@@ -269,6 +271,7 @@ class Subscriber:
         with self._apply_lock:
             manifest = self._read_manifest()
             if manifest is None or manifest.latest is None:
+                self._note_waiting(manifest is None)
                 return None
             current = self._held(manifest)
             if current == manifest.latest:
@@ -289,6 +292,17 @@ class Subscriber:
         return info
 
     # ------------------------------------------------------------------ internals
+
+    def _note_waiting(self, empty: bool) -> None:
+        """Say, once and then every :data:`WAITING_LOG_S`, that nothing has been published yet."""
+        now = time.monotonic()
+        if self._waiting_since is not None and now - self._waiting_since < WAITING_LOG_S:
+            return
+        self._waiting_since = now
+        logger.info(
+            "replica %s: waiting for a first version at %s (%s)", self.replica_id, self.store.url,
+            "no manifest yet: is the trainer publishing to this URL?" if empty else "a trainer holds it, none committed",
+        )
 
     def _read_manifest(self) -> Manifest | None:
         """The newest acceptable manifest. A refused one raises and is not kept: the next poll

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
-SERVER_ARGS = [  # small CPU-friendly engine settings (see FACTS: gpu_memory_utilization is host RAM on CPU)
+SERVER_ARGS = [  # small CPU-friendly engine settings (on the CPU build gpu_memory_utilization is a share of host RAM)
     "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--enforce-eager",
     "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
 ]

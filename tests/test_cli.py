@@ -560,3 +560,30 @@ def test_a_damaged_payload_and_a_wrong_base_are_told_apart(tmp_path: Path) -> No
     base["w"].view(torch.int16)[::7] += 1  # a receiver one step off the delta's base
     with pytest.raises(IntegrityError, match="does not hold the delta's base"):
         decode(bytes(data), base=TorchModuleApplier(base).lookup)
+
+
+def test_cli_into_a_closed_pipe_exits_quietly(trainer: Any) -> None:
+    """``deltasync status URL | head -1``: the reader goes away; no BrokenPipeError traceback."""
+    url, model, publisher, gen = trainer
+    publish_steps(publisher, model, gen, range(3))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "deltasync.cli", "status", url, "--versions", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    process.stdout.close()  # the reader is gone before the first line
+    _, err = process.communicate(timeout=60)
+    assert process.returncode in (0, 141) and b"Traceback" not in err, err.decode()
+
+
+def test_a_replica_of_an_empty_store_waits_visibly_and_creates_nothing(tmp_path: Path, caplog: Any) -> None:
+    import logging
+
+    from deltasync import Subscriber
+
+    url = tmp_path / "not-yet"
+    with caplog.at_level(logging.INFO, logger="deltasync.subscriber"):
+        sub = Subscriber(str(url), TorchModuleApplier({"w": torch.zeros(4)}))
+        assert sub.poll() is None and sub.poll() is None
+    assert not url.exists()  # a store it only reads is not created
+    waiting = [r for r in caplog.records if "waiting for a first version" in r.getMessage()]
+    assert len(waiting) == 1 and "is the trainer publishing to this URL" in waiting[0].getMessage()

@@ -87,6 +87,7 @@ def assert_refused(store: LocalStore, key: str, what: str) -> None:
 
 @pytest.fixture
 def local(tmp_path: Path) -> LocalStore:
+    (tmp_path / "root").mkdir()  # the store creates its root on its first write; these tests plant files first
     return LocalStore(tmp_path / "root")
 
 

@@ -51,7 +51,7 @@ __all__ = ["main", "run", "add_arguments", "weights_digest", "CommitHasher", "qu
 
 DEFAULT_STEPS = 8  # as benchmarks/payload.py: enough steps for a stable median
 QUICK_STEPS = 3
-DEFAULT_LR = 3e-6  # an RL learning rate: ~99 % of bf16 elements stay bit-identical per step (FACTS.md)
+DEFAULT_LR = 3e-6  # an RL learning rate: ~99 % of bf16 elements stay bit-identical per step (benchmarks/payload.py)
 BATCH_SIZE = 4  # tiny chat batches keep one CPU optimizer step at a few seconds
 REPLICAS = 2
 POLL_S = 0.05  # replicas poll fast so the lag shows the sync, not a poll interval

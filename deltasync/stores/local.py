@@ -74,7 +74,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().resolve()
         super().__init__(self.root.as_uri())
-        self.root.mkdir(parents=True, exist_ok=True)
+        # Created by the first write, not here: a replica that only reads never creates a directory.
 
     @classmethod
     def from_url(cls, url: str) -> LocalStore:
@@ -196,6 +196,7 @@ class LocalStore(Store):
         if not needed:
             yield
             return
+        self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -236,7 +237,12 @@ class LocalStore(Store):
             `StoreError`: a directory on the way is a symlink or special file (refused).
         """
         *parents, name = check_key(key).split("/")
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r}: {self.url} does not exist (yet)", key=key, backend="file") from None
         try:
             for part in parents:
                 if create:
