@@ -587,3 +587,20 @@ def test_a_replica_of_an_empty_store_waits_visibly_and_creates_nothing(tmp_path:
     assert not url.exists()  # a store it only reads is not created
     waiting = [r for r in caplog.records if "waiting for a first version" in r.getMessage()]
     assert len(waiting) == 1 and "is the trainer publishing to this URL" in waiting[0].getMessage()
+
+
+def test_the_follower_waits_for_its_server_and_fails_in_one_line(tmp_path: Path) -> None:
+    """Started before its server (none comes here), the follower says it waits, then gives up in one line;
+    a wrong --model is one line too. No tracebacks."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    save_file({"w": torch.zeros(4)}, str(checkpoint / "model.safetensors"))
+    base = [sys.executable, "-m", "deltasync.appliers.vllm_follower", "--store", str(tmp_path / "run"),
+            "--server", "http://127.0.0.1:9"]
+    done = subprocess.run([*base, "--model", str(checkpoint), "--wait-for-server", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "waiting for the vLLM server at http://127.0.0.1:9" in done.stderr
+    assert "no vLLM server answered" in done.stderr.splitlines()[-1]
+    done = subprocess.run([*base, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "not a checkpoint directory" in done.stderr

@@ -29,16 +29,21 @@ Limitations:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from ..errors import LayoutMismatch
 from ..tensors import bits_view
 from .apply import Patch, read_through
 from .mapping import IndexMap, Target
 
-__all__ = ["Proof", "prove_map", "check_written", "PROOF_CHUNK", "VERIFY_SAMPLES"]
+__all__ = ["Proof", "prove_map", "check_written", "check_proofs", "PROOF_CHUNK", "VERIFY_SAMPLES"]
+
+logger = logging.getLogger("deltasync.vllm")
 
 PROOF_CHUNK = 1 << 22  # elements read back per step (bounds the int64 index scratch to 32 MiB)
 VERIFY_SAMPLES = 256  # positions read back per touched tensor after a sparse apply, by default
@@ -144,3 +149,30 @@ def check_written(
             if bad:
                 wrong.append({"tensor": patch.name, "param": target.param_name, "wrong": bad, "read": int(got.numel())})
     return checked, wrong
+
+
+def check_proofs(answers: list[dict[str, Any]]) -> None:
+    """Follower side: raise :class:`LayoutMismatch` naming every runtime parameter some rank's
+    ``deltasync_init`` answer could not prove (or no checkpoint element reaches)."""
+    failed: dict[str, str] = {}
+    for answer in answers:
+        for param in answer.get("unreached", []):
+            failed[param] = (
+                "no checkpoint element reaches it through the weight loaders, so deltas could never "
+                "update it (a parameter derived from the weights, or one the probe could not reach)"
+            )
+        proof = answer.get("proof")
+        if isinstance(proof, dict):
+            failed.update(proof.get("failed", {}))
+            if proof.get("constant"):
+                logger.info(
+                    "deltasync: %d tensors are constant in the checkpoint, so their layout is proven only "
+                    "by reading back right: %s", len(proof["constant"]), ", ".join(proof["constant"][:5]),
+                )
+    if failed:
+        lines = [f"{param}: {why}" for param, why in sorted(failed.items())]
+        raise LayoutMismatch(
+            f"{len(failed)} runtime parameters of the engine cannot be patched exactly, so the follower "
+            f"refuses to start (nothing was written): {'; '.join(lines[:4])}{' ...' if len(lines) > 4 else ''}",
+            name=sorted(failed)[0],
+        )

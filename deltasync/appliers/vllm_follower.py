@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -76,7 +77,7 @@ from ..tensors import fingerprint
 from .apply import check_header
 from .checkpoint_files import checkpoint_specs
 from .mapping import uncovered_elements
-from .verify import VERIFY_SAMPLES
+from .verify import VERIFY_SAMPLES, check_proofs
 from .vllm_lora import LORA_NAME, AdapterHost
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
 from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine, parse_version_label, version_label
@@ -199,7 +200,7 @@ class VLLMFollower:
 
     def _init_workers(self) -> list[dict[str, Any]]:
         answers = self._rpc("deltasync_init", specs_to_json(self.engine_specs.values()), str(self.model_dir))
-        _check_proofs(answers)
+        check_proofs(answers)
         missing = uncovered_elements(self.engine_specs, [answer["owned"] for answer in answers])
         if missing:
             raise TensorMismatch(
@@ -398,32 +399,6 @@ class VLLMFollower:
         return torch.from_numpy(bits).view(spec.torch_dtype).view(spec.shape)
 
 
-def _check_proofs(answers: list[dict[str, Any]]) -> None:
-    """Raise :class:`LayoutMismatch` naming every runtime parameter some rank could not prove."""
-    failed: dict[str, str] = {}
-    for answer in answers:
-        for param in answer.get("unreached", []):
-            failed[param] = (
-                "no checkpoint element reaches it through the weight loaders, so deltas could never "
-                "update it (a parameter derived from the weights, or one the probe could not reach)"
-            )
-        proof = answer.get("proof")
-        if isinstance(proof, dict):
-            failed.update(proof.get("failed", {}))
-            if proof.get("constant"):
-                logger.info(
-                    "deltasync: %d tensors are constant in the checkpoint, so their layout is proven only "
-                    "by reading back right: %s", len(proof["constant"]), ", ".join(proof["constant"][:5]),
-                )
-    if failed:
-        lines = [f"{param}: {why}" for param, why in sorted(failed.items())]
-        raise LayoutMismatch(
-            f"{len(failed)} runtime parameters of the engine cannot be patched exactly, so the follower "
-            f"refuses to start (nothing was written): {'; '.join(lines[:4])}{' ...' if len(lines) > 4 else ''}",
-            name=sorted(failed)[0],
-        )
-
-
 _SUBSCRIBER_ARGS = {
     "replica_id", "ack", "poll_interval", "max_poll_interval", "fetch_workers", "on_update", "start_version", "run_id",
 }
@@ -455,12 +430,24 @@ def main(argv: list[str] | None = None) -> int:
         help="a LoRA run published with lora='auto'/'adapter': the adapter's directory or adapter_config.json",
     )
     parser.add_argument("--lora-name", default=LORA_NAME, help="the name clients ask for (model=...)")
+    parser.add_argument(
+        "--wait-for-server", type=float, default=600.0, metavar="SECONDS",
+        help="how long to wait for the server to come up (default 600; 0: fail at once)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    follower = VLLMFollower(
-        args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode, lora=args.lora,
-        lora_name=args.lora_name,
-    )
+    try:
+        if not Path(args.model).is_dir() or not any(Path(args.model).glob("*.safetensors")):
+            raise ConfigError(f"--model {args.model}: not a checkpoint directory (no *.safetensors): give the "
+                              "directory the server loaded", argument="model")
+        ServerEngine(args.server).wait_until_up(args.wait_for_server, log=logger.info)
+        follower = VLLMFollower(
+            args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode, lora=args.lora,
+            lora_name=args.lora_name,
+        )
+    except DeltaSyncError as exc:
+        print(f"deltasync follower: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     sub = follower.subscriber(
         args.store,
         replica_id=args.replica_id,

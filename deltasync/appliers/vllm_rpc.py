@@ -28,6 +28,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -104,6 +105,34 @@ class ServerEngine:
         if text:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else None
+
+    def wait_until_up(self, timeout: float, *, interval: float = 1.0, log: Any = None) -> None:
+        """Wait for the server's ``/health`` to answer (a follower started beside a server still loading).
+
+        Says once (through ``log``) that it is waiting.
+
+        Raises:
+            `DeltaSyncError`: not up within ``timeout`` seconds (``0``: a single try).
+        """
+        deadline = time.monotonic() + timeout
+        said = False
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=min(self.timeout, 10.0)) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                raise DeltaSyncError(
+                    f"no vLLM server answered at {self.url}/health within {timeout:.0f} s: start it (dev mode, "
+                    "with the deltasync worker extension), check the URL, or wait longer (--wait-for-server)",
+                    url=self.url,
+                )
+            if not said and log is not None:
+                log(f"waiting for the vLLM server at {self.url} (up to {timeout:.0f} s) ...")
+                said = True
+            time.sleep(interval)
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every worker through ``/collective_rpc``; one answer per rank."""
