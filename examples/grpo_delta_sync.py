@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,6 +120,10 @@ def serve_replica(model: str | Path, store: str, port: int, *, log: Any = None) 
     """Server plus follower: one replica. Yields the server URL."""
     with start_server(model, port, log=log) as url, start_follower(store, url, model, log=log):
         yield url
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -215,11 +220,15 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(smollm2_checkpoint())
     if args.command == "replica":
-        with serve_replica(args.model, args.store, args.port) as url:
-            print(f"replica ready at {url}, following {args.store}; Ctrl-C to stop", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
+        # SIGTERM stops the replica as Ctrl-C does: the server and the follower are stopped, not orphaned.
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            with serve_replica(args.model, args.store, args.port) as url:
+                print(f"replica ready at {url}, following {args.store}; Ctrl-C to stop", flush=True)
                 while True:
                     time.sleep(3600)
+        except KeyboardInterrupt:
+            print("replica stopped (server and follower)", flush=True)
         return 0
     from deltasync.integrations import DeltaSyncCallback
 

@@ -34,6 +34,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -79,6 +80,8 @@ def _replica_main(index: int, url: str, checkpoint: str, events: Any, stop: Any)
     from ..appliers import TorchModuleApplier
     from ..subscriber import Subscriber, UpdateInfo
 
+    # Ctrl-C reaches the whole process group: the parent stops replicas through ``stop``, so they ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(1)  # two replicas and a trainer share the cores
         transformers = quiet_transformers()
@@ -220,10 +223,16 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         r.process.start()
     pump.start()
     board.say(f"loading the trainer and {REPLICAS} replica processes ...")
+    previous_term = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
     try:
         model, final = _train(args, steps, url, board, events)
         final_ok = _finish(board, events, model, final, stop)
+    except KeyboardInterrupt:
+        board.say("interrupted: stopping the replicas" + ("" if args.keep or not temp else f" and removing {temp}"))
+        return 130
     finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         stop.set()
         for r in replicas:
             r.process.join(30)
@@ -240,6 +249,15 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     if deltas:
         board.say(f"\nversions are in {kept}; look inside one: deltasync inspect {deltas[-1]}")
     return 0 if exact else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM ends the demo as Ctrl-C does: replicas stopped, temporary store removed."""
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _check_prefix(url: str) -> None:
