@@ -38,7 +38,20 @@ class TestInspect:
         assert result.returncode == 0, result.stderr
         out = result.stdout
         assert "delta version 2 (base 1), format v1" in out
-        assert "5 of 104 carried" in out and "embed.weight" in out and "compact" in out
+        assert "5 of 104 changed" in out and "embed.weight" in out and "compact" in out
+
+    def test_a_directory_a_manifest_and_an_anchor(self, trainer: Any) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(1))
+        for target, says in ((url, "is a directory"), (f"{url}/manifest.json", "is JSON, not a delta")):
+            result = run("inspect", target)
+            assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+        anchor = next(Path(url).glob("anchors/*.safetensors"))
+        result = run("inspect", str(anchor))
+        assert "(whole tensors)" in result.stdout and "sparsity" not in result.stdout
+        result = run("inspect", "--json", str(anchor))
+        info = json.loads(result.stdout)
+        assert info["sparsity"] is None and info["dense_bytes"] > 0
 
     def test_json(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["inspect", "--json", str(GOLDEN / "delta_v1_raw.safetensors")]) == 0
@@ -46,6 +59,8 @@ class TestInspect:
         assert info["kind"] == "delta" and info["nnz"] == 5
         assert {t["name"]: t["codec"] for t in info["tensors"]} == {"embed.weight": "raw", "norm.weight": "raw"}
         assert sum(t["bytes"] for t in info["tensors"]) == 5 * 6
+        assert info["dense_bytes"] == 2 * sum(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1)
+                                              for t in info["tensors"])
 
     def test_refused_file_is_a_clear_error(self, tmp_path: Path) -> None:
         bad = tmp_path / "bad.safetensors"

@@ -80,15 +80,16 @@ def load_manifest(store: Store) -> tuple[Manifest, str | None]:
 
 
 def format_size(n: int | None) -> str:
-    """``n`` bytes for a person: ``"512 B"``, ``"1.5 KiB"``, ... ``"3.0 GiB"`` (``"?"`` when unknown)."""
+    """``n`` bytes for a person, in decimal units as everywhere in deltasync (CLI, demo, benchmarks, docs):
+    ``"512 B"``, ``"1.5 KB"``, ... ``"3.0 GB"`` (``"?"`` when unknown)."""
     if n is None:
         return "?"
-    if n < 1024:
+    if n < 1000:
         return f"{n} B"
     value = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if value < 1024:
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000:
             break
     return f"{value:.1f} {unit}"
 
@@ -132,10 +133,10 @@ def print_table(columns: Sequence[Column], rows: Iterable[Sequence[object]]) -> 
 
     Example:
         ```python
-        >>> print_table([Column("name", 6), Column("bytes", 8, ">")], [("a", "1.0 KiB")])
+        >>> print_table([Column("name", 6), Column("bytes", 8, ">")], [("a", "1.0 KB")])
         <BLANKLINE>
         name      bytes
-        a       1.0 KiB
+        a       1.0 KB
         ```
     """
     print("\n" + _line(columns, [c.title for c in columns]))

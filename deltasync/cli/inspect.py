@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError
+from ..errors import DeltaFormatError, StoreError
 from ..format import Header, raw_header, read_header
 from .common import Column, print_json, print_table
 
@@ -32,6 +32,11 @@ def _read(target: str) -> bytes:
 
 def _read_local(path: Path) -> bytes:
     """A local file's bytes; a FIFO or device is refused instead of blocking or reading forever."""
+    if path.is_dir():
+        raise StoreError(
+            f"{path} is a directory: inspect reads one delta or anchor file (a run prefix's deltas/*.safetensors "
+            f"or anchors/*.safetensors); for the run itself: deltasync status {path}", key=str(path),
+        )
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -51,7 +56,11 @@ def _part_sizes(data: bytes) -> dict[str, int]:
 
 
 def describe(header: Header, data: bytes) -> dict[str, Any]:
-    """A JSON-able description of a delta or anchor file."""
+    """A JSON-able description of a delta or anchor file.
+
+    ``dense_bytes`` is what the tensors the file carries take in full (an anchor: the whole model);
+    ``sparsity`` is the share of the model's elements a delta leaves unchanged (``None`` for an anchor).
+    """
     sizes = _part_sizes(data)
     return {
         "kind": header.kind,
@@ -60,12 +69,10 @@ def describe(header: Header, data: bytes) -> dict[str, Any]:
         "base_version": header.base_version,
         "fingerprint": header.fingerprint,
         "bytes": len(data),
-        "dense_bytes": sum(e.spec.numel * e.spec.torch_dtype.itemsize for e in header.tensors.values())
-        if header.kind == "anchor"
-        else None,
+        "dense_bytes": sum(e.spec.numel * e.spec.torch_dtype.itemsize for e in header.tensors.values()),
         "numel": header.numel,
         "nnz": header.nnz,
-        "sparsity": header.sparsity,
+        "sparsity": header.sparsity if header.kind == "delta" else None,
         "tensors": [
             {
                 "name": name,
@@ -86,7 +93,10 @@ def _print_inspect(info: dict[str, Any], limit: int) -> None:
     print(f"{info['kind']} version {info['version']}{base}, format v{info['format_version']}")
     print(f"model fingerprint  {info['fingerprint']}")
     print(f"file size          {info['bytes']:,} bytes")
-    print(f"elements           {info['nnz']:,} of {info['numel']:,} carried (sparsity {100 * info['sparsity']:.4f} %)")
+    if info["sparsity"] is None:
+        print(f"elements           {info['nnz']:,} of {info['numel']:,} (whole tensors)")
+    else:
+        print(f"elements           {info['nnz']:,} of {info['numel']:,} changed (sparsity {100 * info['sparsity']:.4f} %)")
     codecs: dict[str, int] = {}
     for t in info["tensors"]:
         codecs[t["codec"]] = codecs.get(t["codec"], 0) + 1
@@ -125,6 +135,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print a file's description (a table, or JSON with ``--json``)."""
     data = _read(args.file)
+    if data[:1] == b"{":
+        raise DeltaFormatError(
+            f"{args.file} is JSON, not a delta or anchor file (a run's manifest?): for the run, "
+            "deltasync status <run prefix>"
+        )
     info = describe(read_header(data), data)
     if args.json:
         print_json(info)

@@ -125,7 +125,7 @@ def _print_status(info: dict[str, Any], now: float) -> None:
     anchors = ", ".join(f"v{a['version']} ({format_size(a['bytes'])})" for a in info["anchors"]) or "none"
     print(f"anchors    {anchors}")
     print(
-        f"stored     {info['versions_listed']} versions: deltas {format_size(info['delta_bytes'])}, anchors "
+        f"stored     {info['versions_listed']} version{'' if info['versions_listed'] == 1 else 's'}: deltas {format_size(info['delta_bytes'])}, anchors "
         f"{format_size(info['anchor_bytes'])}, total {format_size(info['total_bytes'])}; "
         f"{info['retired_pending']} retired objects pending deletion"
     )
