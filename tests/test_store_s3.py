@@ -415,3 +415,21 @@ class TestBehaviour:
 
     def test_delete_missing_is_fine(self, store: S3Store) -> None:
         store.delete("never/written")
+
+
+def test_no_credentials_is_said_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without any credentials the chain ends at the instance metadata service: the error says what to set."""
+    from deltasync.errors import StoreError
+    from deltasync.stores import open_store
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+    store = open_store("s3://some-bucket/run1", retry_config={"max_retries": 0})
+    with pytest.raises(StoreError) as raised:
+        store.head("manifest.json")
+    message = str(raised.value)
+    if "169.254.169.254" not in message and "no S3 credentials" not in message:
+        pytest.skip(f"this machine's credential chain ends elsewhere: {message[:200]}")
+    assert "no S3 credentials found" in message and "AWS_ACCESS_KEY_ID" in message

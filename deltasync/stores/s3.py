@@ -94,6 +94,7 @@ _MAX_MESSAGE = 600
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 # Environment variables whose values must never appear in messages.
+_METADATA_ENDPOINT = "169.254.169.254"  # where the AWS credential chain ends: the instance metadata service
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")
 
 # Credential-bearing fields AWS echoes in error bodies (InvalidAccessKeyId,
@@ -369,6 +370,14 @@ class S3Store(Store):
                 )
             return ObjectNotFound(f"no object {where}", key=key, backend="s3")
         kind = type(exc).__name__
+        if _METADATA_ENDPOINT in detail or "/latest/api/token" in detail:  # no credentials anywhere: the chain ended at the instance metadata service
+            return StoreError(
+                f"{op} {where} failed: no S3 credentials found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(and AWS_ENDPOINT_URL for a server other than AWS), pass access_key_id= / secret_access_key= to "
+                "the store, or run where an instance or pod role provides them. (The last source tried, the "
+                f"instance metadata service, answered: {detail[:200]})",
+                key=key, backend="s3",
+            )
         return StoreError(f"{op} {where} failed: {kind}: {detail}", key=key, backend="s3")
 
     def _redact(self, text: str) -> str:
