@@ -61,3 +61,16 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     assert re.search(r"\| replicas exact\s+\| yes: 6/6 update hashes matched", out)
     assert "vs dense bf16" in out and "vs raw layout" in out
     assert (store / "manifest.json").exists() and len(list((store / "deltas").glob("*.safetensors"))) == 2
+
+
+def test_a_store_that_holds_a_run_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    import torch
+
+    from deltasync import Publisher
+
+    store = tmp_path / "run"
+    with Publisher({"w": torch.zeros(8)}, str(store)) as publisher:
+        publisher.publish(0, block=True)
+    done = subprocess.run([sys.executable, "-m", "deltasync.cli", "demo", "--quick", "--store", str(store)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "already holds a run" in done.stderr and "Traceback" not in done.stderr

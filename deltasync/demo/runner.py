@@ -248,6 +248,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     deltas = sorted(Path(kept).glob("deltas/*.safetensors")) if kept else []
     if deltas:
         board.say(f"\nversions are in {kept}; look inside one: deltasync inspect {deltas[-1]}")
+    elif temp and not args.keep:
+        board.say(f"\nthe temporary store {temp} was removed: --keep keeps it, --store DIR publishes where you say")
     return 0 if exact else 1
 
 
@@ -276,6 +278,12 @@ def _check_prefix(url: str) -> None:
         raise ConflictError(
             f"{url} holds a run whose writer's lease is live for another {manifest.lease_until - time.time():.0f} s "
             "(a trainer is publishing there, or a demo just did): pass another --store",
+            writer=manifest.writer,
+        )
+    if manifest.versions:  # the demo's replicas start empty and its table counts from v0: a fresh store only
+        raise ConflictError(
+            f"{url} already holds a run (v{manifest.versions[0].version}-v{manifest.latest}): the demo starts a "
+            "new run in an empty store. Pass another --store, or delete this one",
             writer=manifest.writer,
         )
 

@@ -6,7 +6,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+# TRL checks the vLLM version each time it asks whether vLLM is available (six times in one GRPO run)
+# and warns each time that 0.32 is outside its list. deltasync's GRPO server mode is tested with vLLM
+# 0.32 (the CPU build), through the OpenAI-compatible endpoints only: the integration says so once
+# (``_trl_patch``) instead.
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
 
 __all__ = ["DeltaSyncCallback", "DeltaSyncGRPOTrainer", "ReplicaTimeout"]
 

@@ -31,6 +31,7 @@ other versions raise :class:`TRLVersionError` unless ``DELTASYNC_TRL_UNTESTED=1`
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -42,6 +43,8 @@ __all__ = ["DeltaSyncGRPOTrainer", "TRLVersionError", "TESTED_TRL_VERSIONS"]
 
 TESTED_TRL_VERSIONS = frozenset({"1.16.0"})
 UNTESTED_ENV = "DELTASYNC_TRL_UNTESTED"
+
+logger = logging.getLogger("deltasync.trl")
 
 
 class TRLVersionError(UnsupportedVersion):
@@ -77,6 +80,11 @@ def _check_trl() -> Any:
 
 
 _trl = _check_trl()
+logger.info(
+    "deltasync: TRL %s lists vLLM 0.22-0.31 as supported and warns about any other version; that warning is "
+    "silenced (deltasync's GRPO server mode uses only vLLM's OpenAI-compatible endpoints and is tested with vLLM "
+    "0.32)", getattr(_trl, "__version__", "?"),
+)
 from trl import GRPOTrainer  # noqa: E402
 from trl.generation import vllm_generation as _vllm_generation  # noqa: E402
 from trl.trainer import grpo_trainer as _grpo_module  # noqa: E402
