@@ -151,6 +151,7 @@ class Subscriber:
         self._run_id: str | None = run_id
         self._etag: str | None = None
         self._waiting_since: float | None = None  # when "waiting for a first version" was last logged
+        self._refused: FingerprintMismatch | None = None  # the run is another model's: wait_for raises it
         self._manifest: Manifest | None = None
         self._fetcher = Fetcher(self.store, applier, workers=fetch_workers, only=only)
         self._changed = threading.Condition()
@@ -185,10 +186,17 @@ class Subscriber:
         self._hooks.append(hook)
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
-        """Block until the version in force is at least ``version``; ``False`` on timeout."""
+        """Block until the version in force is at least ``version``; ``False`` on timeout.
+
+        Raises:
+            `FingerprintMismatch`: the store publishes another model than this replica holds, so the
+                wait could never end (raised as soon as a poll finds it, not at the timeout).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while self._version is None or self._version < version:
+                if self._refused is not None:
+                    raise self._refused
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -254,10 +262,16 @@ class Subscriber:
         """
         self.stats.polls += 1
         try:
-            return self.update()
+            info = self.update()
+            self._refused = None  # the store (now) publishes this replica's model
+            return info
         except DeltaSyncError as exc:
             self.stats.rejected[type(exc).__name__] += 1
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, FingerprintMismatch):  # waiting cannot end: tell whoever waits
+                with self._changed:
+                    self._refused = exc
+                    self._changed.notify_all()
             logger.warning("replica %s keeps version %s: %s", self.replica_id, self._version, self.stats.last_error)
             return None
         except Exception as exc:  # an applier or device failure: keep following, resync later

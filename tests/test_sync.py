@@ -329,3 +329,20 @@ def test_the_manifest_does_not_grow_with_the_publish_rate() -> None:
     Subscriber(store, TorchModuleApplier(replica)).update()
     assert all(torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16))
                for a, b in zip(trainer.parameters(), replica.parameters()))
+
+
+def test_waiting_on_a_run_of_another_model_raises_the_mismatch_at_once() -> None:
+    import time as _time
+
+    store = MemoryStore("other-model")
+    with Publisher(model(), store) as publisher:
+        publisher.publish(0, block=True)
+    replica = Subscriber(store, TorchModuleApplier(torch.nn.Linear(5, 2)), poll_interval=0.05).start()
+    try:
+        started = _time.monotonic()
+        with pytest.raises(FingerprintMismatch, match="another model"):
+            replica.wait_for(0, timeout=60)
+        assert _time.monotonic() - started < 30
+        assert "FingerprintMismatch" in replica.stats.last_error
+    finally:
+        replica.close()

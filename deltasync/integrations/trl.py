@@ -315,9 +315,15 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             if lowest is not None and lowest >= version:
                 break
             if time.monotonic() >= deadline:
+                empty = [r for r, v in seen.items() if v is None]
+                hint = (
+                    f" {', '.join(empty)} applied nothing of this run: a replica of another model refuses it "
+                    "(FingerprintMismatch in its log), one that reads another store never sees it."
+                    if empty else ""
+                )
                 raise ReplicaTimeout(
                     f"waited {time.monotonic() - started:.0f} s for replicas to reach v{version}; they report "
-                    f"{seen or 'nothing'}. Is the follower running against {self._store_url()} "
+                    f"{seen or 'nothing'}.{hint} Is the follower running against {self._store_url()} "
                     "(python -m deltasync.appliers.vllm_follower --store ... --server ...)?",
                     version=version,
                     seen=seen,
