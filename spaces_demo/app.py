@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -273,7 +275,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=None, help="default: GRADIO_SERVER_PORT, then 7860")
     args = parser.parse_args(argv)
     session = Session()
-    atexit.register(session.close)
+    # Ctrl-C and SIGTERM end the process through sys.exit, so the session stops its run and deletes its
+    # temporary store (atexit) within seconds, instead of a kill that leaves it behind.
+    atexit.register(session.close, timeout=10)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     build(session).queue(default_concurrency_limit=2).launch(
         server_name=args.host, server_port=args.port, show_error=True
     )

@@ -338,12 +338,15 @@ def app_url(tmp_path: Path) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
+        before = set(Path(tempfile.gettempdir()).glob("deltasync-space-*"))
+        proc.terminate()  # SIGTERM: the app stops its run and deletes its temporary store
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        left = {p for p in before if p.exists()}
+        assert not left, f"the app left its temporary store behind: {sorted(left)}"
 
 
 def _replica_version(page: Any) -> int | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,8 @@ class AdapterHost:
         self.factors = {n: torch.zeros(s.shape, dtype=s.torch_dtype) for n, s in self.specs.items()}
         self._applier = TorchModuleApplier(self.factors, dtype=None)
         self._root = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))
+        # Removed by close(), or when the host is collected or the process exits, whichever comes first.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
         self.request: Any = None
         """In process: the ``LoRARequest`` of the newest version's adapter, or ``None`` while it adds nothing."""
         self.directory: Path | None = None
@@ -114,4 +117,4 @@ class AdapterHost:
 
     def close(self) -> None:
         """Delete the adapter directories."""
-        shutil.rmtree(self._root, ignore_errors=True)
+        self._cleanup()

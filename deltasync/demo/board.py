@@ -161,8 +161,8 @@ class Board:
     def header(self) -> str:
         legend = (
             "ratio: dense bf16 bytes / shipped bytes; diff: time on the training thread; total: publish() to "
-            "manifest commit;\nlag: versions behind when the version was committed, seconds until the replica "
-            "held it; check: replica's weight hash vs the trainer's\n\n"
+            "manifest commit;\nlag: newer versions the trainer had committed when the replica got this one (0: it "
+            "kept up), seconds from commit to replica; check: replica's weight hash vs the trainer's\n\n"
         )
         cols = f"{'ver':>4} {'step':>4} {'kind':<6} {'loss':>6} {'changed':>9} {'sparsity':>9} {'shipped':>9} "
         cols += f"{'ratio':>6} {'diff':>7} {'total':>7}"
@@ -182,7 +182,7 @@ class Board:
         reached = r.reached(version)
         if reached is None:
             return "lost"
-        behind = version - r.held_at(c.time)
+        behind = max((v for v, other in self.commits.items() if other.time <= reached), default=version) - version
         mine = r.digest_of(version)
         check = "skip" if mine is None else ("exact" if mine == c.digest else "DIFF")
         return f"{behind} v {max(0.0, reached - c.time):5.2f} s {check}"
