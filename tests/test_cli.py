@@ -154,6 +154,22 @@ def trainer(tmp_path: Path) -> Iterator[tuple[str, Tiny, Publisher, torch.Genera
 
 
 class TestWatch:
+    def test_the_model_files_are_copied_or_their_absence_said(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        publish_steps(publisher, model, gen, range(2))
+        base = tmp_path / "base"
+        base.mkdir()
+        for name in ("config.json", "tokenizer.json", "generation_config.json"):
+            (base / name).write_text("{}")
+        (base / "model.safetensors").write_bytes(b"not copied")
+        bare = run("watch", url, "--model", str(tmp_path / "bare"), "--once", "--no-ack")
+        assert bare.returncode == 0 and "holds the weights only" in bare.stdout and "from nothing" in bare.stdout
+        full = run("watch", url, "--model", str(tmp_path / "full"), "--once", "--no-ack", "--copy-config", str(base))
+        assert full.returncode == 0, full.stderr
+        assert "copied config.json, generation_config.json, tokenizer.json" in full.stdout
+        assert "weights only" not in full.stdout and (tmp_path / "full" / "tokenizer.json").exists()
+        assert_bit_exact(tmp_path / "full", model)
+
     def test_initialise_then_resume_with_deltas_only(self, trainer: Any, tmp_path: Path) -> None:
         url, model, publisher, gen = trainer
         publish_steps(publisher, model, gen, range(3))
@@ -171,7 +187,7 @@ class TestWatch:
             anchor.unlink()
         second = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
         assert second.returncode == 0, second.stderr
-        assert "v2 of run" in second.stdout and "from 2 via delta+delta" in second.stdout
+        assert "v2 of run" in second.stdout and "from v2 via delta+delta" in second.stdout
         assert "anchor" not in second.stdout
         assert_bit_exact(ckpt, model)
         assert state_of(ckpt)["version"] == 4

@@ -40,6 +40,11 @@ def add_parser(sub: Any) -> None:
         help="seconds between polls (default: 1 s after a change, backing off to 15 s)",
     )
     watch.add_argument("--replica-id", default=None, help="name in acks/ (default: watch-HOST-DIRNAME)")
+    watch.add_argument(
+        "--copy-config", default=None, metavar="BASE",
+        help="when initialising, copy the model's other files (config.json, tokenizer...) from the base "
+        "checkpoint BASE, so transformers or vLLM can load the directory",
+    )
     watch.add_argument("--no-ack", action="store_true", help="do not write acks/<replica>.json")
     watch.add_argument(
         "--cache-dir", default=None,
@@ -104,8 +109,9 @@ def _poll_options(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _print_update(info: UpdateInfo) -> None:
+    start = f"from v{info.previous}" if info.previous is not None else "from nothing"
     print(
-        f"v{info.version} (step {info.step}) from {info.previous} via {'+'.join(info.route)}: "
+        f"v{info.version} (step {info.step}) {start} via {'+'.join(info.route)}: "
         f"{info.bytes:,} bytes, apply {1e3 * info.t_apply:.1f} ms, lag {info.lag_s:.2f} s",
         flush=True,
     )
@@ -152,4 +158,29 @@ def _initialise(args: argparse.Namespace, directory: Path, replica: str, stop: t
         directory, args.url, replica_id=replica, ack=not args.no_ack, on_update=_print_update, **_cache_options(args)
     )
     print(f"initialised {directory / SINGLE_FILE} at v{info.version}", flush=True)
+    if args.copy_config:
+        copied = _copy_model_files(Path(args.copy_config), directory)
+        print(f"copied {', '.join(copied) or 'nothing'} from {args.copy_config}", flush=True)
+    if not (directory / "config.json").exists():
+        print(
+            f"note: {directory} holds the weights only (no config.json, no tokenizer): to load it with transformers "
+            "or vLLM, copy the base model's other files there (watch --copy-config BASE does it when initialising)",
+            flush=True,
+        )
     return True
+
+
+def _copy_model_files(base: Path, directory: Path) -> list[str]:
+    """Copy every file of ``base`` but its weights (config, generation config, tokenizer...) into ``directory``."""
+    import shutil
+
+    if not base.is_dir():
+        raise FileNotFoundError(f"--copy-config {base}: not a directory")
+    copied = []
+    for path in sorted(base.iterdir()):
+        if path.is_file() and path.suffix != ".safetensors" and not path.name.startswith(".") and not (
+            path.name.endswith(".safetensors.index.json")
+        ):
+            shutil.copy2(path, directory / path.name)
+            copied.append(path.name)
+    return copied
