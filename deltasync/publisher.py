@@ -106,6 +106,8 @@ class PublisherStats:
     bytes: int = 0
     last: PublishInfo | None = None
     errors: list[str] = field(default_factory=list)
+    failing: bool = False
+    """Whether the newest publish failed (no version committed since): what a status display shows."""
 
 
 class Publisher:
@@ -341,9 +343,11 @@ class Publisher:
         except (ConflictError, FingerprintMismatch) as exc:  # this prefix is not ours to write
             self._fatal = exc
             self.stats.failed += 1
+            self.stats.failing = True
             logger.error("%s", exc)
         except Exception as exc:  # the trainer keeps training; flush() re-raises
             self.stats.failed += 1
+            self.stats.failing = True
             self.stats.errors = [*self.stats.errors[-(MAX_ERRORS_KEPT - 1):], f"{type(exc).__name__}: {exc}"]
             logger.warning("publish failed, the next publish will cover these changes: %s", exc)
             self._last_error = exc
@@ -468,6 +472,7 @@ class Publisher:
             time.perf_counter() - started, self._coalesced_now if kind == "delta" else 0, form,
         )
         self.stats.published += 1
+        self.stats.failing = False
         self.stats.bytes += info.bytes
         self.stats.last = info
         logger.info(

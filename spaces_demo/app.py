@@ -143,6 +143,8 @@ def _plots(view: View) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _panels(view: View) -> tuple[str, str, str, str]:
     status = view.status if view.error is None else f"{view.status}: {view.error}"
+    if view.publish_error:  # the trainer keeps training; the page must not look as if all were well
+        status += f" · publishing is failing: {view.publish_error}"
     dense = human_bytes(view.rows[0].info.dense_bytes) if view.rows else "-"
     trainer = (
         f"**Trainer**: v{view.latest if view.latest is not None else '-'} committed · "

@@ -146,6 +146,8 @@ class View:
     sample: str | None
     coalesced: int
     codec: str
+    publish_error: str | None = None
+    """The newest failed publish (the store refused or was unreachable), while publishes keep failing."""
 
     @property
     def lag_versions(self) -> int | None:
@@ -220,6 +222,7 @@ class Session:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._replica: _Replica | None = None
+        self._publisher: Publisher | None = None
         self._temp: str | None = None
 
     # ------------------------------------------------------------------ controls
@@ -276,6 +279,7 @@ class Session:
     def view(self) -> View:
         """Everything the page shows, copied under the lock."""
         replica = self._replica
+        publish_error = _failing(self._publisher)
         with self._lock:
             s = self._state
             rows = []
@@ -304,6 +308,7 @@ class Session:
                 sample=s.sample,
                 coalesced=s.coalesced,
                 codec=s.codec,
+                publish_error=publish_error,
             )
 
     # ------------------------------------------------------------------ trainer thread
@@ -325,7 +330,7 @@ class Session:
             self._phase("loading the replica (bf16) and following the store")
             self._replica = self._follow(settings, url, options)
             hasher = CommitHasher(self)
-            publisher = hasher.publisher = Publisher(
+            publisher = hasher.publisher = self._publisher = Publisher(
                 model, url, codec=settings.codec, anchor_every=settings.anchor_every, on_publish=hasher, **options
             )
             self._phase("publishing version 0 (an anchor of the starting weights)")
@@ -403,3 +408,11 @@ class Session:
         temp, self._temp = self._temp, None
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def _failing(publisher: Publisher | None) -> str | None:
+    """The newest publish failure while publishes are failing (none committed since), else ``None``."""
+    if publisher is None or not publisher.stats.failing:
+        return None
+    newest = publisher.stats.errors[-1] if publisher.stats.errors else "see the log"
+    return f"{publisher.stats.failed} publishes failed; newest: {newest}"

@@ -203,6 +203,36 @@ class TestPageContent:
         view = dataclasses.replace(self.view(), status="failed at step 2", running=False, error="StoreError: gone")
         assert app._panels(view)[0] == "failed at step 2: StoreError: gone"
 
+    def test_failing_publishes_show_while_the_run_goes_on(self) -> None:
+        app = pytest.importorskip("spaces_demo.app", reason="needs gradio (the spaces extra)")
+        view = dataclasses.replace(self.view(), status="step 3: training", publish_error="2 publishes failed; x")
+        assert app._panels(view)[0] == "step 3: training · publishing is failing: 2 publishes failed; x"
+
+
+def test_publisher_stats_say_whether_publishing_is_failing() -> None:
+    from deltasync import Publisher
+    from deltasync.stores import MemoryStore
+    from tests.faults import FaultyStore
+
+    store = FaultyStore(MemoryStore("failing"))
+    weights = {"w": torch.zeros(16)}
+    publisher = Publisher(weights, store)
+    publisher.publish(0, block=True)
+    publisher.flush()
+    assert not publisher.stats.failing and engine._failing(publisher) is None
+    store.inject("put", "deltas/", kind="5xx", times=None)
+    weights["w"] += 1
+    publisher.publish(1, block=True)
+    with pytest.raises(Exception):
+        publisher.flush()
+    assert publisher.stats.failing and "publishes failed" in engine._failing(publisher)
+    store.clear()
+    weights["w"] += 1
+    publisher.publish(2, block=True)
+    publisher.flush()
+    assert not publisher.stats.failing and engine._failing(publisher) is None
+    publisher.close()
+
 
 # ---------------------------------------------------------------------- the session, tiny model
 
