@@ -451,3 +451,17 @@ def test_serve_leaves_environment_alone() -> None:
         s.put("k", b"v")
         assert s.get("k") == b"v"
     assert dict(os.environ) == before
+
+
+def test_an_unresolvable_hub_fails_at_once_with_what_is_missing() -> None:
+    """Offline (the Hub's name does not resolve) a call fails in well under a second instead of retrying."""
+    import time
+
+    from deltasync.errors import StoreError
+    from deltasync.stores import open_store
+
+    store = open_store("hf://buckets/someone/bucket/run1", endpoint="http://deltasync-no-such-hub.invalid")
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=r"cannot resolve deltasync-no-such-hub\.invalid .*no network"):
+        store.head("manifest.json")
+    assert time.monotonic() - started < 5

@@ -25,7 +25,8 @@ from ..errors import DeltaSyncError, IntegrityError, StoreError
 from ..keys import check_key
 
 __all__ = [
-    "ObjectInfo", "Store", "ChangeFeed", "PutMode", "check_key", "check_limit", "check_prefix", "check_size", "retry",
+    "ObjectInfo", "Store", "ChangeFeed", "HostCheck", "PutMode", "check_key", "check_limit", "check_prefix", "check_size",
+    "retry",
 ]
 
 logger = logging.getLogger("deltasync.stores")
@@ -288,3 +289,36 @@ def retry(
             logger.warning("%s failed (%s); retry %d/%d in %.2fs", what, exc, attempt, attempts - 1, delay)
             time.sleep(delay)
     raise StoreError(f"{what}: retries exhausted")  # unreachable; keeps type checkers content
+
+
+class HostCheck:
+    """Fail at once when a store's host name does not resolve (no network, no DNS), instead of retrying.
+
+    A client's retries are for a server that answers badly; a name that does not resolve will not resolve
+    on the next attempt either, and a user offline would otherwise wait out every backoff (about 25 s on
+    the Hub). A success is remembered for :attr:`ttl` seconds, so the check costs one lookup a minute.
+    """
+
+    ttl = 60.0
+
+    def __init__(self, url: str) -> None:
+        from urllib.parse import urlsplit
+
+        self.host = urlsplit(url).hostname
+        self._until = 0.0
+
+    def __call__(self, what: str, *, key: str | None = None, backend: str | None = None, hint: str = "") -> None:
+        """Raise :class:`StoreError` if the host name does not resolve now."""
+        import socket
+
+        now = time.monotonic()
+        if self.host is None or now < self._until:
+            return
+        try:
+            socket.getaddrinfo(self.host, None)
+        except socket.gaierror as exc:
+            raise StoreError(
+                f"{what} failed: cannot resolve {self.host} ({exc.strerror}): no network, or no DNS here?{hint}",
+                key=key, backend=backend,
+            ) from None
+        self._until = now + self.ttl

@@ -65,7 +65,9 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, DeltaSyncError, ObjectNotFound, PreconditionFailed, StoreError, require
 from ._hf_feed import BucketFeed, live_follow_reader
-from .base import ChangeFeed, ObjectInfo, PutMode, Store, check_key, check_limit, check_prefix, check_size
+from .base import (
+    ChangeFeed, HostCheck, ObjectInfo, PutMode, Store, check_key, check_limit, check_prefix, check_size,
+)
 
 __all__ = ["HFBucketStore", "parse_bucket_url"]
 
@@ -176,6 +178,7 @@ class HFBucketStore(Store):
         # Resolve the token once, so error texts can be scrubbed of it whatever its source.
         self._token: str | None = token or hub.get_token()
         self._api: Any = hub.HfApi(endpoint=self.endpoint, token=self._token, library_name="deltasync")
+        self._host_check = HostCheck(self.endpoint)
         self._errors: Any = require("huggingface_hub.errors", "hf")
         utils = require("huggingface_hub.utils", "hf")
         self._build_headers: Callable[..., dict[str, str]] = utils.build_hf_headers
@@ -431,6 +434,8 @@ class HFBucketStore(Store):
 
     def _call(self, fn: Callable[[], T], what: str, key: str | None = None) -> T:
         """Run a client call, translating its errors into ours without leaking the token."""
+        target = f"{what} {key!r} in {self.url}" if key is not None else f"{what} {self.url}"
+        self._host_check(target, key=key, backend="hf", hint=" (a Hub elsewhere: set HF_ENDPOINT)")
         _bound_timeouts(self._session())
         try:
             return fn()
