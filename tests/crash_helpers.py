@@ -73,7 +73,10 @@ def trainer(store: str, options: dict[str, Any], start: int, steps: int, progres
                 advance(state, step - 1)
             publisher.publish(step, block=True)
             publisher.flush()
-            progress.write_text(str(step))  # the trainer's own "checkpoint": the last step it saw committed
+            # The trainer's own "checkpoint": the last step it saw committed (renamed into place: a kill
+            # never leaves it half-written).
+            progress.with_suffix(".tmp").write_text(str(step))
+            progress.with_suffix(".tmp").replace(progress)
             time.sleep(0.01)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -77,14 +78,23 @@ def _run_rank(body: Any, rank: int, world: int, init: str, out: str, *args: Any)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    failed = False
     try:
         body(rank, world, *args)
     except BaseException:
+        failed = True
         Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
         gc.collect()
         dist.destroy_process_group()
+        if "deepspeed" in sys.modules and not failed:
+            # DeepSpeed keeps process groups of its own in module globals, which nothing destroys: their gloo
+            # threads abort the interpreter's teardown now and then. The work is done and recorded (or its
+            # failure is, above): leave without that teardown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if failed else 0)
 
 
 def rank_main(

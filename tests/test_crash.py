@@ -67,7 +67,7 @@ def test_killed_trainers_restart_and_leave_nothing_behind(backend: str, servers:
         step = 0
         for life in range(KILLS):
             started = time.time()
-            slow = {"slow_put_s": 0.3} if life < 2 else {}  # the first anchors upload slowly: killed mid-way
+            slow = {"slow_put_s": 1.0} if life < 2 else {}  # the first anchors upload slowly: killed mid-way
             trainer = launch("trainer", store, options | slow, step, STEPS_PER_LIFE, progress, env=env)
             if life < 2:  # during the takeover's own first anchor: once its first part is in the store
                 _wait(lambda: _anchor_parts_since(store, options, started) > 0 or trainer.poll() is not None)
@@ -79,7 +79,7 @@ def test_killed_trainers_restart_and_leave_nothing_behind(backend: str, servers:
             kill(trainer)
             left.append(_leftovers(store, options))  # what this kill left: the next takeover reclaims it
             committed = last_committed(store, **options)
-            own = int(progress.read_text()) if progress.exists() else 0
+            own = max(_progress(progress), 0)
             # README: restart from the store's last committed step, or from any older checkpoint of your own.
             step = committed.step if committed is not None and life % 3 else max(0, own - rng.randint(0, 2))
             restarts.append({"life": life, "committed": committed and committed.version, "restart_step": step})
