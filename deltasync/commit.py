@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Literal
 
 from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed, StoreError
 from .keys import ACKS, MANIFEST_KEY, VERSION_PREFIXES
-from .retired import RetiredLog, named_keys
 from .manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -43,6 +42,7 @@ from .manifest import (
     plan_retention,
     replace_manifest,
 )
+from .retired import RetiredLog, named_keys
 
 if TYPE_CHECKING:
     from .stores import ObjectInfo, Store
@@ -52,6 +52,7 @@ __all__ = [
     "ORPHAN_GRACE_S",
     "RetiredCleanup",
     "classify_orphans",
+    "cleanup_blocked",
     "find_orphans",
     "sweep_orphans",
     "orphan_grace",
@@ -135,13 +136,7 @@ class ManifestWriter:
             return self.manifest
         data, info = got
         current = Manifest.from_bytes(data)
-        if current.fingerprint != fingerprint:
-            raise FingerprintMismatch(
-                f"{self.store.url} holds versions of another model ({current.fingerprint}); publish to a new prefix",
-                expected=fingerprint,
-                found=current.fingerprint,
-            )
-        self._check_lease(current, now)
+        self._refuse_foreign(current, fingerprint, now)
         self.manifest = replace_manifest(current, writer=self.writer)
         self.etag = info.etag
         grace = ORPHAN_GRACE_S
@@ -177,14 +172,17 @@ class ManifestWriter:
             return
         if got is None:
             return
-        current = Manifest.from_bytes(got[0])
+        self._refuse_foreign(Manifest.from_bytes(got[0]), fingerprint, time.time())
+
+    def _refuse_foreign(self, current: Manifest, fingerprint: str, now: float) -> None:
+        """Raise if the stored manifest is another model's, or another writer's with a live lease."""
         if current.fingerprint != fingerprint:
             raise FingerprintMismatch(
                 f"{self.store.url} holds versions of another model ({current.fingerprint}); publish to a new prefix",
                 expected=fingerprint,
                 found=current.fingerprint,
             )
-        self._check_lease(current, time.time())
+        self._check_lease(current, now)
 
     def _check_lease(self, current: Manifest, now: float) -> None:
         # Fails closed: a lease is free only once it has provably ended.
@@ -399,12 +397,17 @@ def plan_retired_cleanup(manifest: Manifest, *, now: float, grace: float, compar
         compare_and_swap (`bool`): whether the manifest can be rewritten conditionally on its etag.
     """
     due, remaining = deletable(manifest, now=now, grace=grace)
-    blocked: Literal["no-cas", "lease"] | None = None
-    if not compare_and_swap:
-        blocked = "no-cas"
-    elif manifest.lease_until > now:
-        blocked = "lease"
+    blocked = cleanup_blocked(manifest, now=now, compare_and_swap=compare_and_swap)
     return RetiredCleanup(tuple(due), replace_manifest(remaining, updated=now), blocked)
+
+
+def cleanup_blocked(manifest: Manifest, *, now: float, compare_and_swap: bool) -> Literal["no-cas", "lease"] | None:
+    """Why someone other than the writer must leave retired objects alone (see :attr:`RetiredCleanup.blocked`)."""
+    if not compare_and_swap:
+        return "no-cas"
+    if manifest.lease_until > now:
+        return "lease"
+    return None
 
 
 def orphan_grace(manifest: Manifest, grace: float, *, now: float) -> float:

@@ -437,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        if not Path(args.model).is_dir() or not any(Path(args.model).glob("*.safetensors")):
+        try:
+            checkpoint_specs(args.model)  # before waiting for the server: a wrong --model is known now
+        except FileNotFoundError:
             raise ConfigError(f"--model {args.model}: not a checkpoint directory (no *.safetensors): give the "
-                              "directory the server loaded", argument="model")
+                              "directory the server loaded", argument="model") from None
         ServerEngine(args.server).wait_until_up(args.wait_for_server, log=logger.info)
         follower = VLLMFollower(
             args.server, model=args.model, mode=args.mode, pause_mode=args.pause_mode, lora=args.lora,

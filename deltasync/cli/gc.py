@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..acks import ACK_TTL_S, stale_acks
-from ..commit import ORPHAN_GRACE_S, classify_orphans, orphan_grace, plan_retired_cleanup
+from ..commit import ORPHAN_GRACE_S, classify_orphans, cleanup_blocked, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
 from ..keys import MANIFEST_KEY, RETIRED_KEY
 from ..manifest import RETIRE_GRACE_S, Manifest
@@ -42,12 +42,9 @@ def _gc_retired(
     if not due:
         return [], None
     if plan.blocked == "no-cas":
-        return [], f"{len(due)} retired objects are due, but this store has no compare-and-swap: left to the publisher"
+        return [], _blocked_note(len(due), plan.blocked, manifest, now)
     if plan.blocked == "lease":
-        return [], (
-            f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
-            f"{format_duration(manifest.lease_until - now)} and deletes them itself: manifest left alone"
-        )
+        return [], _blocked_note(len(due), plan.blocked, manifest, now) + ": manifest left alone"
     removed = [(key, _object_size(store, key)) for key in due]
     if dry_run:
         return removed, None
@@ -69,13 +66,9 @@ def _gc_retired_list(
     due = [key for key, when in listed.entries if now - when >= grace]
     if not due:
         return [], None
-    if not store.conditional_writes:
-        return [], f"{len(due)} retired objects are due, but this store has no compare-and-swap: left to the publisher"
-    if manifest.lease_until > now:
-        return [], (
-            f"{len(due)} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
-            f"{format_duration(manifest.lease_until - now)} and deletes them itself"
-        )
+    blocked = cleanup_blocked(manifest, now=now, compare_and_swap=store.conditional_writes)
+    if blocked is not None:
+        return [], _blocked_note(len(due), blocked, manifest, now)
     removed = [(key, _object_size(store, key)) for key in due]
     if dry_run:
         return removed, None
@@ -88,6 +81,16 @@ def _gc_retired_list(
     except PreconditionFailed:
         return removed, f"{RETIRED_KEY} changed while gc ran: it may still name deleted objects (harmless)"
     return removed, None
+
+
+def _blocked_note(due: int, blocked: str, manifest: Manifest, now: float) -> str:
+    """Why ``due`` retired objects were left to the publisher."""
+    if blocked == "no-cas":
+        return f"{due} retired objects are due, but this store has no compare-and-swap: left to the publisher"
+    return (
+        f"{due} retired objects are due, but writer {manifest.writer[:8]} holds the lease for another "
+        f"{format_duration(manifest.lease_until - now)} and deletes them itself"
+    )
 
 
 def _object_size(store: Store, key: str) -> int | None:

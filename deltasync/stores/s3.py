@@ -93,8 +93,9 @@ _MAX_MESSAGE = 600
 # the namespace as bucket) also take uppercase, so only the character set is checked.
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+# Where the AWS credential chain ends when nothing else provided credentials: the instance metadata service.
+_METADATA_ENDPOINT = "169.254.169.254"
 # Environment variables whose values must never appear in messages.
-_METADATA_ENDPOINT = "169.254.169.254"  # where the AWS credential chain ends: the instance metadata service
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")
 
 # Credential-bearing fields AWS echoes in error bodies (InvalidAccessKeyId,
@@ -370,7 +371,7 @@ class S3Store(Store):
                 )
             return ObjectNotFound(f"no object {where}", key=key, backend="s3")
         kind = type(exc).__name__
-        if _METADATA_ENDPOINT in detail or "/latest/api/token" in detail:  # no credentials anywhere: the chain ended at the instance metadata service
+        if _METADATA_ENDPOINT in detail or "/latest/api/token" in detail:  # the chain found no credentials
             return StoreError(
                 f"{op} {where} failed: no S3 credentials found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(and AWS_ENDPOINT_URL for a server other than AWS), pass access_key_id= / secret_access_key= to "
