@@ -105,7 +105,7 @@ def adapter_factors(model: Any) -> dict[str, torch.Tensor]:
     """
     from peft.utils import get_peft_model_state_dict
 
-    active = list(getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")])
+    active = _active_adapters(model)
     if len(active) != 1:
         raise ConfigError(
             f"the adapter form carries one LoRA adapter, and {active} are active: activate one, or publish "
@@ -239,10 +239,13 @@ class _FormItems(ItemsView[str, torch.Tensor]):
         yield from self._mapping.factors.items()
 
 
+def _active_adapters(model: Any) -> list[str]:
+    return list(getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")])
+
+
 def _saved_config(model: Any) -> Any:
     """The active adapter's config for a replica: inference mode, ``modules_to_save`` left to the base names."""
-    active = list(getattr(model, "active_adapters", None) or ["default"])[0]
-    config = copy.deepcopy(model.peft_config[active])
+    config = copy.deepcopy(model.peft_config[_active_adapters(model)[0]])
     config.inference_mode = True
     config.modules_to_save = None  # published as ordinary tensors under the base names
     return config

@@ -105,11 +105,8 @@ class RetiredLog:
 
     def before_commit(self, new: tuple[tuple[str, float], ...], *, now: float, grace: float) -> list[str]:
         """List ``new`` retired keys before the manifest that drops them is written; return the keys now due."""
-        pending = dict(self.stored.entries)
-        for key, when in new:
-            pending.setdefault(key, when)
-        entries = tuple(pending.items())
-        if pending.keys() != self.stored.keys:
+        entries = _union(self.stored.entries, new)
+        if {key for key, _ in entries} != self.stored.keys:
             self._write(entries)
         return [key for key, when in entries if now - when >= grace]
 
@@ -126,10 +123,19 @@ class RetiredLog:
             self.stored = write_retired(self.store, entries, run_id=self.run_id, etag=self.stored.etag)
         except PreconditionFailed:  # gc edited it meanwhile: take its version, keep ours on top
             theirs = read_retired(self.store)
-            merged = dict(theirs.entries)
-            for key, when in entries:
-                merged.setdefault(key, when)
-            self.stored = write_retired(self.store, tuple(merged.items()), run_id=self.run_id, etag=theirs.etag)
+            self.stored = write_retired(
+                self.store, _union(theirs.entries, entries), run_id=self.run_id, etag=theirs.etag
+            )
+
+
+def _union(
+    entries: tuple[tuple[str, float], ...], extra: tuple[tuple[str, float], ...]
+) -> tuple[tuple[str, float], ...]:
+    """``entries`` and then the keys of ``extra`` they lack (a key keeps the first time it was retired)."""
+    merged = dict(entries)
+    for key, when in extra:
+        merged.setdefault(key, when)
+    return tuple(merged.items())
 
 
 def named_keys(store: Store, manifest: Manifest) -> set[str]:
