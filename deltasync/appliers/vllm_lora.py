@@ -50,6 +50,7 @@ __all__ = ["AdapterHost", "LORA_NAME"]
 
 logger = logging.getLogger("deltasync.vllm")
 
+
 class AdapterHost:
     """The factors of a LoRA run, held on the host and served by a vLLM engine as a LoRA adapter.
 
