@@ -217,6 +217,14 @@ def test_trainer_logs_the_share_of_adapter_versions(tmp_path: Path) -> None:
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
     callback = DeltaSyncCallback(str(tmp_path / "run"), lora="auto").attach(trainer)
+
+    class Committed(transformers.TrainerCallback):
+        """Waits for each step's version before the Trainer logs (on a busy machine uploads may lag)."""
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            callback.publisher.flush()
+
+    trainer.add_callback(Committed())  # after the deltasync callback: its publish comes first
     trainer.train()
     callback.publisher.close()
     logged = [r for r in trainer.state.log_history if "deltasync/adapter_form" in r]

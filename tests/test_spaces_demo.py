@@ -277,24 +277,29 @@ def test_session_publishes_and_the_replica_follows_bit_exactly(
     try:
         session.start(engine.Settings(layers=1, steps=3, lr=1e-3, anchor_every=2, **bucket))
         assert session.wait(WAIT_S), session.view().status
+        # A step that comes while the previous version still uploads is coalesced into the next version
+        # (a slow Hub, a busy machine): the run ends at v3, or earlier with the same final weights.
+        final = max(r.info.version for r in session.view().rows)
         deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # the replica holds v3, then hashes it
+        while time.monotonic() < deadline:  # the replica holds the final version, then hashes it
             view = session.view()
-            if view.replica_version == 3 and view.rows and view.rows[-1].exact(3) != "pending":
+            if view.replica_version == final and view.rows[-1].exact(final) != "pending":
                 break
             time.sleep(0.05)
         view = session.view()
         assert view.error is None and view.status.startswith("stopped after 3 steps"), view.status
         assert view.store is not None and view.store.startswith("hf://buckets/" if backend == "hf" else "/")
-        assert [r.info.version for r in view.rows] == [0, 1, 2, 3] and view.rows[0].info.kind == "anchor"
-        assert view.rows[2].anchor_bytes  # anchor_every=2: an anchor of v2 followed its delta
+        assert [r.info.version for r in view.rows] == list(range(final + 1)) and view.rows[0].info.kind == "anchor"
+        assert view.rows[-1].info.step == 3, [(r.info.version, r.info.step) for r in view.rows]
+        if final >= 2:
+            assert view.rows[2].anchor_bytes  # anchor_every=2: an anchor of v2 followed its delta
         assert all(r.info.kind == "delta" and r.loss is not None for r in view.rows[1:])
-        assert view.replica_version == 3 and view.lag_versions == 0
+        assert view.replica_version == final and view.lag_versions == 0
         checked, matched, _ = view.exact_counts()
-        assert checked >= 2 and matched == checked  # the replica may skip a version, never mismatch one
-        assert view.rows[-1].exact(3) == "match"
+        assert checked >= 1 and matched == checked  # the replica may skip a version, never mismatch one
+        assert view.rows[-1].exact(final) == "match"
         version, text = session.ask("What is the capital of France?")
-        assert version == 3 and isinstance(text, str)
+        assert version == final and isinstance(text, str)
         with pytest.raises(ValueError, match="type a prompt"):
             session.ask("  ")
     finally:
