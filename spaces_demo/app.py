@@ -42,24 +42,26 @@ SIZES = [
     ("2 layers (35.4 M)", 2),
     ("1 layer (31.9 M, fastest)", 1),
 ]
-COLUMNS = [
-    "version",
-    "step",
-    "kind",
-    "bit-exact",
-    "changed",
-    "sparsity %",
-    "shipped",
-    "raw int32+bf16",
-    "dense bf16",
-    "dense / shipped",
-    "apply ms",
-    "lag s",
-    "diff ms",
-    "commit s",
-    "reward",
-    "loss",
-]
+# The versions table and each column's width in px: the whole table fits the page's 1220 px, wrapping
+# long cells (an anchor beside a delta) instead of hiding the last columns behind a scroll bar.
+COLUMN_WIDTHS = {
+    "version": 84,
+    "step": 60,
+    "kind": 75,
+    "bit-exact": 84,
+    "changed": 160,
+    "shipped": 110,
+    "raw int32+bf16": 110,
+    "dense / shipped": 84,
+    "apply ms": 70,
+    "lag s": 60,
+    "diff ms": 64,
+    "commit s": 76,
+    "reward": 76,
+    "loss": 68,
+}
+COLUMNS = list(COLUMN_WIDTHS)
+MIN_AXIS_VERSIONS = 10
 SHIPPED, RAW = (
     "shipped (selected codec)",
     "raw int32+bf16 (6 B per change)",
@@ -108,11 +110,9 @@ def _table(view: View) -> pd.DataFrame:
                 r.info.step,
                 r.info.kind,
                 r.exact(view.replica_version),
-                f"{r.info.nnz:,}",
-                f"{100 * r.info.sparsity:.2f}" if r.info.kind == "delta" else "-",
+                f"{r.info.nnz:,}" + (f" ({100 * r.info.nnz / r.info.numel:.2f} %)" if r.info.kind == "delta" else ""),
                 codec,
                 human_bytes(r.raw_bytes),
-                human_bytes(r.info.dense_bytes),
                 f"{r.info.dense_bytes / r.info.bytes:.0f}x" if r.info.bytes else "-",
                 "-" if r.apply_s is None else f"{1e3 * r.apply_s:.0f}",
                 "-" if r.lag_s is None else f"{r.lag_s:.2f}",
@@ -125,7 +125,8 @@ def _table(view: View) -> pd.DataFrame:
     return pd.DataFrame(list(reversed(rows)), columns=COLUMNS)  # newest first
 
 
-def _plots(view: View) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _plots(view: View) -> tuple[pd.DataFrame, pd.DataFrame, list[float]]:
+    """The two plots' data, and the version axis they share."""
     deltas = [r for r in view.rows if r.info.kind == "delta"]  # the anchor (v0) is the whole model
     size = pd.DataFrame(
         [(r.info.version, r.info.bytes / 1e6, SHIPPED) for r in deltas]
@@ -135,10 +136,22 @@ def _plots(view: View) -> tuple[pd.DataFrame, pd.DataFrame]:
     changed = pd.DataFrame(
         [(r.info.version, 100 * r.info.nnz / r.info.numel) for r in deltas], columns=["version", "changed %"]
     )
-    # Explicit dtypes: an empty first frame would otherwise make the axes categorical for good.
-    return size.astype({"version": "int64", "MB": "float64"}), changed.astype(
-        {"version": "int64", "changed %": "float64"}
+    return (
+        # Explicit dtypes: an empty first frame would otherwise make the axes categorical for good.
+        size.astype({"version": "int64", "MB": "float64"}),
+        changed.astype({"version": "int64", "changed %": "float64"}),
+        version_axis([r.info.version for r in deltas]),
     )
+
+
+def version_axis(versions: Sequence[int]) -> list[float]:
+    """The x range of the plots: at least :data:`MIN_AXIS_VERSIONS` wide, so every tick is a whole version.
+
+    The plots choose about one tick per 40 px; at the page's widths (at most about 400 px per plot) a
+    range of ten or more versions gets a step of 1 or more, where a short one would get ticks at 1.5.
+    """
+    first = min(versions, default=1)
+    return [first, max(max(versions, default=first), first + MIN_AXIS_VERSIONS)]
 
 
 def _panels(view: View) -> tuple[str, str, str, str]:
@@ -215,7 +228,14 @@ def build(session: Session) -> gr.Blocks:
                         height=260,
                         elem_id="plot-sparsity",
                     )
-        table = gr.Dataframe(headers=COLUMNS, label="versions (newest first)", interactive=False, elem_id="versions")
+        table = gr.Dataframe(
+            headers=COLUMNS,
+            column_widths=list(COLUMN_WIDTHS.values()),
+            label="versions (newest first)",
+            interactive=False,
+            wrap=True,
+            elem_id="versions",
+        )
         with gr.Row():
             prompt = gr.Textbox("What is the capital of France?", label="ask the replica", scale=3, elem_id="prompt")
             ask = gr.Button("Ask", scale=1, elem_id="ask")
@@ -249,10 +269,12 @@ def build(session: Session) -> gr.Blocks:
             key = tuple((r.info.version, r.replica_digest, r.loss, r.anchor_bytes) for r in view.rows)
             if key == previous:  # redraw plots and table only when something changed
                 return (*panels, gr.skip(), gr.skip(), gr.skip(), previous)
-            size, changed = _plots(view)
+            size, changed, axis = _plots(view)
             if size.empty:  # a chart first drawn from no rows draws later lines invisibly: wait for data
                 return (*panels, gr.skip(), gr.skip(), _table(view), key)
-            return (*panels, size, changed, _table(view), key)
+            return (
+                *panels, gr.LinePlot(size, x_lim=axis), gr.LinePlot(changed, x_lim=axis), _table(view), key
+            )
 
         controls: Sequence[Any] = [layers, lr, anchor_every, codec, steps, bucket, token]
         start.click(on_start, controls, status)

@@ -195,8 +195,11 @@ class TestPageContent:
         table = app._table(view)
         assert list(table.columns) == app.COLUMNS and list(table["version"]) == [1, 0]  # newest first
         assert list(table["bit-exact"]) == ["pending", "match"] and table["raw int32+bf16"][0] == "300 B"
-        size, changed = app._plots(view)
+        assert table["changed"][0] == "50 (1.00 %)" and table["changed"][1] == "5,000"  # the anchor: every element
+        size, changed, axis = app._plots(view)
         assert sorted(size["MB"]) == [120 / 1e6, 300 / 1e6] and list(changed["changed %"]) == [1.0]
+        # Whole versions on the axis: a short run still spans ten versions; a long one spans what it has.
+        assert axis == [1, 11] and app.version_axis(range(3, 40)) == [3, 39]
 
     def test_a_failed_run_shows_its_error(self) -> None:
         app = pytest.importorskip("spaces_demo.app", reason="needs gradio (the spaces extra)")
@@ -399,6 +402,17 @@ def _exact_counts(page: Any) -> tuple[int, int, int]:
     return int(counts.group(1)), int(counts.group(2)), int(skipped.group(1)) if skipped else 0
 
 
+# Elements of the table that scroll sideways, and header cells that end outside the table's box.
+TABLE_OVERFLOW_JS = """root => {
+    const box = root.getBoundingClientRect();
+    const scrolling = [...root.querySelectorAll('*')].filter(e => e.scrollWidth > e.clientWidth + 1
+        && ['auto', 'scroll'].includes(getComputedStyle(e).overflowX)).map(e => e.className);
+    const cut = [...root.querySelectorAll('th')].filter(th => th.getBoundingClientRect().right > box.right + 1)
+        .map(th => th.textContent.trim());
+    return scrolling.concat(cut);
+}"""
+
+
 def _rows(page: Any) -> int:
     """Data rows of the versions table (the grid's aria-rowcount counts the header row too)."""
     count = page.get_attribute("#versions [aria-rowcount]", "aria-rowcount")
@@ -479,6 +493,13 @@ def test_page_in_chromium(app_url: str, tmp_path: Path) -> None:
             matched, checked, _ = _exact_counts(page)
             assert matched == checked >= 4 and "ALL MATCH" in page.inner_text("#exact"), page.inner_text("#exact")
             assert "DIFF" not in page.inner_text("#versions")
+            # Layout: whole versions on both plots' axes, and every column of the table in view.
+            for plot in ("#plot-bytes", "#plot-sparsity"):
+                ticks = page.eval_on_selector_all(
+                    f"{plot} g[aria-label^='X-axis'] .role-axis-label text", "els => els.map(e => e.textContent)"
+                )
+                assert ticks and all(re.fullmatch(r"\d+", t) for t in ticks), (plot, ticks)
+            assert page.eval_on_selector("#versions", TABLE_OVERFLOW_JS) == [], "the table hides columns"
             shot = tmp_path / "spaces_demo.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
