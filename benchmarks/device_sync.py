@@ -9,7 +9,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | stage | deltasync | floor on the same device |
 |---|---|---|
 | diff on the training thread | ``diff`` of the masters against the snapshot | cast + ``ne`` + ``nonzero`` over all weights |
-| replica decode | ``decode`` of the delta (default codec) against the replica | zstd-decompressing the same delta's parts |
+| replica decode | ``decode`` of the delta (default codec) against the replica, on all threads and on one | zstd-decompressing the same delta's parts |
 | replica apply | ``TorchModuleApplier.apply`` | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
 | anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s | one ``copy_`` of all weights |
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, results_dir, shared_machine, table, write_json  # noqa: E402
 
-from deltasync import Publisher, Subscriber  # noqa: E402
+from deltasync import Publisher, Subscriber, parallel  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
@@ -138,6 +138,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         header = read_header(data)
         decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
         t_decode = spread(lambda: decode(data, base=decoder.lookup), args.repeats, device)
+        parallel.WORKERS, threads = 1, parallel.WORKERS  # the same decode on one thread: the per-core figure
+        try:
+            t_decode_one = spread(lambda: decode(data, base=decoder.lookup), args.repeats, device)
+        finally:
+            parallel.WORKERS = threads
         _, patches = decode(data, base=decoder.lookup)
         import safetensors.torch
 
@@ -191,7 +196,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"],
                         "spread": [t_diff, t_floor_diff]}
         rows["decode"] = {"deltasync": t_decode["median"], "floor": t_floor_decode["median"],
-                          "changes_per_s": nnz / t_decode["median"], "spread": [t_decode, t_floor_decode]}
+                          "changes_per_s": nnz / t_decode["median"], "threads": threads,
+                          "spread": [t_decode, t_floor_decode]}
+        rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], "floor": t_floor_decode["median"],
+                                    "changes_per_s": nnz / t_decode_one["median"], "threads": 1,
+                                    "spread": [t_decode_one, t_floor_decode]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
         rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "gb_per_s" in row:
             extra = f"{row['gb_per_s']:.2f} GB/s"
         elif "changes_per_s" in row:
-            extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s"
+            extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
     print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
           f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), "

@@ -18,7 +18,9 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "device_sync_cpu.json").read_text())
     assert result["exact"] and result["device"] == "cpu"
-    assert set(result["stages"]) == {"anchor publish", "anchor load", "diff", "decode", "apply", "whole update"}
+    assert set(result["stages"]) == {
+        "anchor publish", "anchor load", "diff", "decode", "decode, 1 thread", "apply", "whole update"
+    }
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout

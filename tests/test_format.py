@@ -337,3 +337,35 @@ def test_a_shard_whose_slice_does_not_match_its_rows_is_refused() -> None:
     more = rebuild(anchors[0], edit_entry("embed.weight", rows=[0, 7]))
     with pytest.raises(CodecError, match="expected"):
         decode(more)
+
+
+def test_threads_decode_the_same_patches_and_raise_the_first_failure_in_file_order() -> None:
+    """Tensors decode on several threads: the patches do not depend on it, nor does which error is raised."""
+    from deltasync import parallel
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"t{i}": torch.randn(400_000, generator=gen) for i in range(6)}
+    snapshot = Snapshot.capture(weights)
+    for t in weights.values():
+        t[torch.randperm(t.numel(), generator=gen)[:40_000]] *= 1.01
+    data = encode_delta(diff(snapshot, weights), version=1, base_version=0)
+    held = {n: t.clone() for n, t in snapshot.items()}
+    replica = TorchModuleApplier(held)
+    one = decode(data, base=replica.lookup)[1]
+    assert sum(e.nnz for e in read_header(data).tensors.values()) > parallel.MIN_PARALLEL_WORK  # threads run
+    for workers in (2, 3, 8):
+        parallel.WORKERS, saved = workers, parallel.WORKERS
+        try:
+            many = decode(data, base=replica.lookup)[1]
+        finally:
+            parallel.WORKERS = saved
+        assert many.keys() == one.keys()
+        assert all(np.array_equal(many[n].indices, one[n].indices) and np.array_equal(many[n].values, one[n].values)
+                   for n in one)
+    # Two tensors whose base differs: the error names the first of them in the file, every time.
+    for name in ("t4", "t1"):
+        held[name].view(torch.int16).view(-1)[:] += 1
+    for _ in range(5):
+        with pytest.raises(IntegrityError, match="^t1: "):
+            decode(data, base=replica.lookup)
+    assert parallel.map_shared(lambda x: x * 2, [3, 1, 2], [10**6, 1, 10**6], workers=2) == [6, 2, 4]

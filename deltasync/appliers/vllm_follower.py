@@ -189,6 +189,7 @@ class VLLMFollower:
         # (several when a sharded trainer wrote it in slices).
         self._bases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefetched = False
+        self._lookups = threading.Lock()  # decoding threads share one prefetch and one RPC at a time
         self._tapped = TapBuffer()
         self.ranks = self._init_workers()
 
@@ -254,13 +255,14 @@ class VLLMFollower:
         """Current bits at ``indices`` of checkpoint tensor ``name``, merged across ranks."""
         if self.adapter is not None and name in self.adapter.specs:
             return self.adapter.lookup(name, indices)
-        if not self._prefetched:
-            self._prefetched = True
-            self._bases = self._prefetch()
-        cached = self._bases.pop((name, int(indices[0])), None) if indices.size else None
-        if cached is not None and np.array_equal(cached[0], indices):
-            return cached[1]
-        return self._lookup_many({name: indices})[name]
+        with self._lookups:
+            if not self._prefetched:
+                self._prefetched = True
+                self._bases = self._prefetch()
+            cached = self._bases.pop((name, int(indices[0])), None) if indices.size else None
+            if cached is not None and np.array_equal(cached[0], indices):
+                return cached[1]
+            return self._lookup_many({name: indices})[name]
 
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write validated patches on every rank; then label the engine with the new version."""

@@ -42,8 +42,10 @@ def values_digest(bits: np.ndarray) -> str:
 
 def _planes_into(out: np.ndarray, words: np.ndarray) -> None:
     """Write the byte planes of ``words`` (all low bytes, then the next, ...) into ``out``."""
-    width = words.dtype.itemsize
-    out.reshape(width, words.size)[...] = words.view(np.uint8).reshape(words.size, width).T
+    # One shift-and-narrow pass per plane: several times faster in numpy than a strided transpose.
+    planes = out.reshape(words.dtype.itemsize, words.size)
+    for k in range(words.dtype.itemsize):
+        planes[k] = words >> (8 * k) if k else words  # assignment keeps the low byte
 
 
 def _planes(words: np.ndarray) -> np.ndarray:
@@ -53,9 +55,15 @@ def _planes(words: np.ndarray) -> np.ndarray:
 
 
 def _unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """Inverse of :func:`_planes`: ``count`` words of ``dtype`` from their byte planes."""
     width = dtype.itemsize
-    planes = np.frombuffer(raw, dtype=np.uint8, count=count * width, offset=offset)
-    return np.ascontiguousarray(planes.reshape(width, count).T).view(dtype).reshape(-1)
+    planes = np.frombuffer(raw, dtype=np.uint8, count=count * width, offset=offset).reshape(width, count)
+    out = planes[0].astype(dtype)
+    for k in range(1, width):
+        wide = planes[k].astype(dtype)
+        wide <<= 8 * k
+        out |= wide
+    return out
 
 
 def _gaps(indices: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ import torch
 
 from ..codec import BaseLookup, Decoded, get_codec
 from ..errors import CodecError, DeltaFormatError, IntegrityError
+from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import Header, TensorEntry, entry_digest, read_header
 
@@ -93,7 +94,9 @@ def decode_entries(
             codecs[name] = get_codec(entry.codec)
         except ValueError as exc:
             raise CodecError(f"{name}: {exc}", name=name) from None
-    for name, entry in wanted.items():
+
+    def decode_one(name: str) -> Decoded:
+        entry = wanted[name]
         lookup = base
         if base is not None and entry.offset:
             lookup = functools.partial(_shifted_lookup, base, entry.offset)
@@ -102,8 +105,10 @@ def decode_entries(
         except IntegrityError as exc:
             _blame(name, entry, grouped[name], exc)
             raise
-        decoded[name] = _place(patch, entry)
-    return decoded
+        return _place(patch, entry)
+
+    names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
+    return dict(zip(names, map_shared(decode_one, names, [wanted[n].nnz for n in names])))
 
 
 def _blame(name: str, entry: TensorEntry, parts: Mapping[str, torch.Tensor], exc: IntegrityError) -> None:

@@ -8,13 +8,11 @@ release the GIL in zstd and numpy), then lays the entries out exactly as
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -22,22 +20,18 @@ import torch
 
 from ..codec import DEFAULT_CODEC, get_codec
 from ..diff import ChangeSet, TensorChange
+from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
 
 __all__ = ["DEFAULT_LEVEL", "encode_delta", "encode_anchor", "serialize", "as_numpy_bits"]
 
 DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
-_WORKERS = min(8, os.cpu_count() or 1)
-# Fixed cost of encoding one tensor, in changed elements (~30 us at ~25 ns per
-# element on SmolLM2): what balancing the encoder threads' shares counts per tensor.
-_TASK_COST = 1000
 # safetensors' dtype names, with the rank of its writer's layout order (entries
 # of a higher rank come first); see serialize.
 _SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
     dtype: (name, rank) for rank, (name, dtype) in enumerate(SAFETENSORS_DTYPES.items())
 }
-_T = TypeVar("_T")
 
 
 def encode_delta(
@@ -60,7 +54,8 @@ def encode_delta(
         codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors;
             densely changed tensors always use ``"dense"``.
         level (`int`, *optional*, defaults to 1): zstd level for compressing codecs.
-        workers (`int`, *optional*): encoding threads; defaults to the CPU count (at most 8).
+        workers (`int`, *optional*): encoding threads; defaults to `deltasync.parallel.WORKERS` (the CPU
+            count, at most 8, or `DELTASYNC_THREADS`).
         model (`Sequence[TensorSpec]`, *optional*): every tensor of the full model, when
             ``changes`` covers only one trainer rank's shard of it (see ``rows``).
         rows (`Mapping[str, Window]`, *optional*): for a shard: per tensor, the dim-0 rows (or
@@ -85,7 +80,7 @@ def encode_delta(
     entries: dict[str, dict[str, Any]] = {}
     specs = tuple(model) if model is not None else changes.specs
     full = _full_specs(specs, [c.spec for c in changes.changes], rows)
-    results = _map_shared(encode_one, changes.changes, workers or _WORKERS)
+    results = map_shared(encode_one, changes.changes, [c.nnz for c in changes.changes], workers)
     for change, (name, encoded) in zip(changes.changes, results):
         parts = {f"{change.spec.name}::{part}": array.contiguous() for part, array in encoded.parts.items()}
         tensors.update(parts)
@@ -111,37 +106,6 @@ def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows
             raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")
         out[local.name] = spec
     return out
-
-
-def _map_shared(fn: Callable[[TensorChange], _T], changes: Sequence[TensorChange], workers: int) -> list[_T]:
-    """``[fn(c) for c in changes]`` in up to ``workers`` threads, one share of the work each.
-
-    numpy and zstd release the GIL on large arrays, so tensors encode in
-    parallel; but one task per tensor hands the GIL and results back and forth
-    hundreds of times per delta, which cost more than it saved on 2 cores. So
-    each thread (the caller included) takes one share, balanced by changed
-    elements, largest tensors dealt first.
-    """
-    if workers <= 1 or len(changes) <= 1:
-        return [fn(c) for c in changes]
-    shares: list[list[int]] = [[] for _ in range(min(workers, len(changes)))]
-    loads = [0] * len(shares)
-    for i in sorted(range(len(changes)), key=lambda i: -changes[i].nnz):
-        lightest = loads.index(min(loads))
-        shares[lightest].append(i)
-        loads[lightest] += changes[i].nnz + _TASK_COST
-    results: list[Any] = [None] * len(changes)
-
-    def run(share: list[int]) -> None:
-        for i in share:
-            results[i] = fn(changes[i])
-
-    with ThreadPoolExecutor(max_workers=len(shares) - 1) as pool:
-        pending = [pool.submit(run, share) for share in shares[1:]]
-        run(shares[0])
-        for future in pending:
-            future.result()
-    return results
 
 
 def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
