@@ -77,7 +77,7 @@ class ShardLayout:
     rows: dict[str, Window]
     """Tensors this rank carries, with the dim-0 rows (or ZeRO-3's flat elements) of the full tensor it holds."""
     whole: frozenset[str]
-    """Tensors this rank carries whole (0-d tensors, published by rank 0)."""
+    """Tensors this rank carries whole (0-d and zero-element tensors, published by rank 0)."""
 
 
 def shard_layout(
@@ -103,13 +103,17 @@ def shard_layout(
         if is_zero3(tensor):  # DeepSpeed ZeRO-3: a flat slice of the flattened parameter
             spec = TensorSpec(name, tuple(tensor.ds_shape), TensorSpec.of(name, tensor, dtype).dtype)
             specs.append(spec)
+            if spec.numel == 0:  # anchors carry every tensor: rank 0 carries the empty ones
+                if rank == 0:
+                    whole.add(name)
+                continue
             elements = _zero3_elements(tensor, rank)
             if elements.stop > elements.start:
                 rows[name] = elements
             continue
         spec = TensorSpec.of(name, tensor, dtype)
         specs.append(spec)
-        window = _rows_of(name, tensor, rank, world)
+        window = _rows_of(name, tensor, rank, world) if spec.numel else (() if rank == 0 else None)
         if window is None:
             continue
         if window == ():
@@ -122,7 +126,9 @@ def shard_layout(
         out = {}
         for name, tensor in published_tensors(model):
             if name in layout.whole:
-                out[name] = _local(tensor)
+                shape = next(s.shape for s in layout.specs if s.name == name) if not tensor.numel() else None
+                # An empty tensor has no elements to hold: its full shape stands for it on any rank.
+                out[name] = _local(tensor) if shape is None else torch.empty(shape, dtype=tensor.dtype)
             elif name in layout.rows:
                 window = layout.rows[name]
                 if isinstance(window, Elements):

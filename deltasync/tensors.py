@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -202,7 +203,7 @@ def describe_differences(theirs: Iterable[TensorSpec], ours: Iterable[TensorSpec
 def published_tensors(
     source: torch.nn.Module | Mapping[str, torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor to publish, each storage once.
+    """Yield ``(name, tensor)`` for every tensor to publish, each tied tensor once.
 
     A module yields its parameters; tied parameters (one ``Parameter`` under two
     names, such as tied embeddings) appear once, under their first name; a
@@ -210,19 +211,24 @@ def published_tensors(
     experts) yields zero-copy views in its checkpoint's names
     (:mod:`deltasync.checkpoint_names`). A
     mapping yields its items, skipping later names that alias an earlier
-    tensor's storage.
+    tensor: the same storage, offset, shape, strides and dtype (a tied weight).
+    Zero-element tensors alias nothing: they may share any address.
     """
     if isinstance(source, torch.nn.Module):
         views = checkpoint_views(source)  # transformers' fused layouts, in their checkpoint names
         # named_parameters() already removes duplicates of the same Parameter.
         yield from views if views is not None else source.named_parameters()
         return
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[Any, ...]] = set()
     for name, tensor in source.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
+        if tensor.numel():
+            key = (
+                tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tensor.stride(), tensor.dtype, tensor.device,
+            )
+            if key in seen:
+                continue
+            seen.add(key)
         yield name, tensor
 
 

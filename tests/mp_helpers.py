@@ -25,12 +25,19 @@ POLL_S = 0.01  # replicas poll fast: the tests wait on their reports, not on a p
 MAX_POLL_S = 0.05
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
-    """A small MLP (about 10k parameters, one tensor of each common kind); ``seed`` sets its weights."""
+def make_model(seed: int = 0, *, empty: bool = False) -> torch.nn.Module:
+    """A small MLP (about 10k parameters, one tensor of each common kind); ``seed`` sets its weights.
+
+    ``empty`` adds two zero-element parameters, shaped ``(0, 4)`` and ``(4, 0)``.
+    """
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(48, 96), torch.nn.LayerNorm(96), torch.nn.GELU(), torch.nn.Linear(96, 48)
     )
+    if empty:
+        model.register_parameter("no_rows", torch.nn.Parameter(torch.empty(0, 4)))
+        model.register_parameter("no_cols", torch.nn.Parameter(torch.empty(4, 0)))
+    return model
 
 
 def bf16_bits(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, bytes]:

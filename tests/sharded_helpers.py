@@ -54,7 +54,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             return {name: param.detach().clone() for name, param in params}
     out = {}
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if not param.numel():  # (DTensor.full_tensor fails on a zero-element tensor)
+            tensor = torch.empty(param.shape, dtype=param.dtype)
+        else:
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         out[name.removeprefix("module.")] = tensor.detach().clone()
     return out
 
@@ -116,6 +119,7 @@ def _publishing_rank(
     torch.set_num_threads(1)
     options = dict(options)
     fail = options.pop("fail", None)  # {"rank": r, "prefix": p}: that rank's next put under p fails
+    empty = options.pop("empty", False)  # the model has zero-element parameters too
     store: Any = url
     if fail is not None and fail["rank"] == rank:
         from tests.faults import FaultyStore
@@ -124,7 +128,7 @@ def _publishing_rank(
         store.inject("put", fail["prefix"])
         options = {}
     failures = 0
-    model = make_model(seed=0)
+    model = make_model(seed=0, empty=empty)
     if mode in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -142,7 +146,7 @@ def _publishing_rank(
         model, optimizer = _zero3_engine(model, rank, stage=int(mode[-1]))
         published = model.module
     else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=empty)
         published = model.module
     deepspeed = mode.startswith("zero")
     if not deepspeed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -201,6 +202,26 @@ class TestSnapshot:
         model = torch.nn.ModuleDict({"emb": emb, "head": head})
         snap = Snapshot.capture(model)
         assert [s.name for s in snap.specs] == ["emb.weight"]
+
+    def test_tensors_are_told_apart_by_what_they_are_not_by_their_address(self, tmp_path: Path) -> None:
+        """A zero-element tensor shares its address with the next one in a loaded checkpoint; both are published.
+        A tied weight (same storage, offset, shape, strides) is published once; a view of another shape is not tied."""
+        import safetensors.torch
+
+        from deltasync.appliers import TorchModuleApplier
+        from deltasync.tensors import published_tensors
+
+        path = tmp_path / "w.safetensors"
+        safetensors.torch.save_file(
+            {"a.empty": torch.empty(0, 3, dtype=torch.bfloat16), "b": torch.ones(10, dtype=torch.bfloat16)}, path
+        )
+        loaded = safetensors.torch.load_file(path)
+        assert loaded["a.empty"].untyped_storage().data_ptr() == loaded["b"].untyped_storage().data_ptr()
+        assert [n for n, _ in published_tensors(loaded)] == ["a.empty", "b"]
+        assert set(TorchModuleApplier(loaded).specs) == {"a.empty", "b"}
+        w = torch.zeros(4, 4)
+        names = [n for n, _ in published_tensors({"w": w, "tied": w.view(4, 4), "row": w[0], "flat": w.view(16)})]
+        assert names == ["w", "row", "flat"]
 
     def test_other_dtypes_keep_their_width(self) -> None:
         weights = {"h": torch.zeros(8, dtype=torch.float16), "f": torch.zeros(8)}

@@ -108,6 +108,27 @@ def test_ranks_publish_shards_and_replicas_end_exact(mode: str, world: int, serv
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_zero_element_tensors_are_carried_by_rank_0_and_the_store_is_followed(mode: str, tmp_path: Path) -> None:
+    """Anchors carry every tensor, the empty ones too (rank 0 writes them); a replica follows the run."""
+    url = str(tmp_path / "run")
+    result = _run_ranks(2, mode, url, {}, tmp_path, empty=True)
+    latest = max(int(v) for v in result["digests"])
+    replica = make_model(seed=2, empty=True).to(torch.bfloat16)
+    info = Subscriber(url, TorchModuleApplier(replica)).update()
+    assert info is not None and info.version == latest and info.route[0] == "anchor"
+    assert model_digest(replica) == result["digests"][str(latest)]
+    store = open_store(url)
+    manifest = Manifest.from_bytes(store.get("manifest.json"))
+    carried = {}
+    for ref in manifest.anchors()[-1].anchor:
+        carried.update({name: (ref.rank, e) for name, e in read_header(store.get(ref.key)).tensors.items()})
+    for name, shape in (("no_rows", (0, 4)), ("no_cols", (4, 0))):
+        rank, entry = carried[name]
+        assert rank == 0 and entry.spec.shape == shape and entry.nnz == 0 and entry.rows is None
+
+
+@pytest.mark.slow
 def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(servers: Any, tmp_path: Path) -> None:
     s3 = servers["get"]("s3")
     url, options = s3.store_url(f"sharded-{uuid.uuid4().hex[:8]}"), s3.store_options()

@@ -27,7 +27,7 @@ from ..diff import TensorChange
 from ..errors import CodecError, IntegrityError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_indices, check_part, to_numpy
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 
 _WIDTHS = (1, 2, 4)
 _UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
