@@ -6,6 +6,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -369,3 +370,55 @@ def test_threads_decode_the_same_patches_and_raise_the_first_failure_in_file_ord
         with pytest.raises(IntegrityError, match="^t1: "):
             decode(data, base=replica.lookup)
     assert parallel.map_shared(lambda x: x * 2, [3, 1, 2], [10**6, 1, 10**6], workers=2) == [6, 2, 4]
+
+
+def _with_header_text(data: bytes, edit: Any) -> bytes:
+    """The file with its safetensors header JSON text passed through ``edit`` (the body is untouched)."""
+    length = struct.unpack("<Q", data[:8])[0]
+    text = edit(data[8 : 8 + length].decode())
+    encoded = text.encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + data[8 + length :]
+
+
+def _small_delta() -> bytes:
+    weights = {"w": torch.randn(64, generator=torch.Generator().manual_seed(0))}
+    snapshot = Snapshot.capture(weights)
+    weights["w"][3] += 1.0
+    return encode_delta(diff(snapshot, weights), version=7, base_version=6)
+
+
+@pytest.mark.parametrize("spelling", ["07", "+7", " 7", "7 ", "7_0", "٧", "7.0", "-7", ""])
+def test_metadata_integers_have_one_spelling(spelling: str) -> None:
+    """"7" is the only way to write 7: two parsers must never read two different versions."""
+    data = _small_delta()
+    assert read_header(data).version == 7
+    forged = _with_header_text(data, lambda t: t.replace('"version":"7"', f'"version":"{spelling}"'))
+    assert forged != data
+    with pytest.raises(DeltaFormatError, match="decimal integer"):
+        read_header(forged)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('\\"nnz\\":1', '\\"nnz\\":true'),  # a boolean is not a count
+        ('\\"shape\\":[64]', '\\"shape\\":[true]'),
+        ('\\"iw\\":1', '\\"iw\\":true'),
+        ('\\"nnz\\":1', '\\"nnz\\":1,\\"nnz\\":1'),  # a key twice inside the tensor table
+    ],
+)
+def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str) -> None:
+    data = _small_delta()
+    forged = _with_header_text(data, lambda t: t.replace(old, new, 1))
+    assert forged != data
+    replica = TorchModuleApplier({"w": torch.zeros(64, dtype=torch.bfloat16)})
+    with pytest.raises((DeltaFormatError, CodecError)):
+        decode(forged, base=replica.lookup)
+
+
+def test_a_key_twice_in_the_safetensors_header_is_refused() -> None:
+    data = _small_delta()
+    forged = _with_header_text(data, lambda t: t.replace('{"__metadata__"', '{"__metadata__":{},"__metadata__"', 1))
+    with pytest.raises(DeltaFormatError, match="twice"):
+        read_header(forged)

@@ -117,7 +117,7 @@ def decode_indices(blob: np.ndarray, params: Params, spec: TensorSpec, nnz: int)
     decompressed planes: three passes over the changes.
     """
     width, n_big = params.get("iw"), params.get("big")
-    if width not in _WIDTHS or not isinstance(n_big, int) or not 0 <= n_big <= nnz:
+    if type(width) is not int or width not in _WIDTHS or type(n_big) is not int or not 0 <= n_big <= nnz:
         raise CodecError(f"{spec.name}: bad index params iw={width!r} big={n_big!r}", name=spec.name)
     raw = decompress(blob, nnz * width + 8 * n_big, f"{spec.name}::idx")
     escape = (1 << (8 * width)) - 1

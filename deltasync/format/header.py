@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -265,8 +266,27 @@ def header_of(raw: dict[str, Any]) -> Header:
         raise DeltaFormatError(f"malformed deltasync metadata: {exc!r}") from None
 
 
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def _integer(meta: dict[str, Any], key: str) -> int:
+    """A metadata integer: decimal ASCII digits, no sign, space or leading zero ("0", "12"; not "012", "+1", "1_0").
+
+    One spelling per number, so every reader parses the same value.
+    """
+    text = meta[key]
+    if not isinstance(text, str) or not _DECIMAL.fullmatch(text):
+        raise DeltaFormatError(f"metadata {key!r} must be a decimal integer string, not {text!r:.40}")
+    return int(text)
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer (``true`` / ``false`` are not numbers)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _parse_header(meta: dict[str, Any]) -> Header:
-    format_version = int(meta["format_version"])
+    format_version = _integer(meta, "format_version")
     if format_version != FORMAT_VERSION:
         raise DeltaFormatError(
             f"format version {format_version} is not supported (this deltasync reads "
@@ -276,15 +296,15 @@ def _parse_header(meta: dict[str, Any]) -> Header:
     kind = meta["kind"]
     if kind not in ("delta", "anchor"):
         raise DeltaFormatError(f"unknown kind {kind!r}")
-    version = int(meta["version"])
-    base = int(meta["base_version"]) if kind == "delta" else None
+    version = _integer(meta, "version")
+    base = _integer(meta, "base_version") if kind == "delta" else None
     if version < 0 or (base is not None and not 0 <= base < version):
         raise DeltaFormatError(f"bad version {version} / base {base}")
     raw_entries = load_json(str(meta["tensors"]).encode(), what="metadata 'tensors'", error=DeltaFormatError)
     if not isinstance(raw_entries, dict):
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
-    numel = int(meta["numel"])
+    numel = _integer(meta, "numel")
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
 
 
@@ -292,7 +312,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
     if not isinstance(raw, dict):
         raise DeltaFormatError(f"{name}: tensor entry must be an object")
     shape = raw["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise DeltaFormatError(f"{name}: bad shape {shape!r}")
     dtype_from_name(raw["dtype"])
     spec = TensorSpec(name, tuple(shape), raw["dtype"])
@@ -301,7 +321,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         if (
             not isinstance(rows, list)
             or len(rows) != 2
-            or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+            or not all(_is_int(r) for r in rows)
             or not shape
             or not 0 <= rows[0] <= rows[1] <= shape[0]
         ):
@@ -313,13 +333,13 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
             rows is not None
             or not isinstance(elements, list)
             or len(elements) != 2
-            or not all(isinstance(e, int) and not isinstance(e, bool) for e in elements)
+            or not all(_is_int(e) for e in elements)
             or not 0 <= elements[0] <= elements[1] <= spec.numel
         ):
             raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
         rows = Elements(elements[0], elements[1])
     entry = TensorEntry(spec, str(raw["codec"]), 0, {}, rows)
-    if not isinstance(nnz, int) or not 0 <= nnz <= entry.local_spec.numel:
+    if not _is_int(nnz) or not 0 <= nnz <= entry.local_spec.numel:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
