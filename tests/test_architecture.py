@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "deltasync.keys": 0,
     "deltasync.stopping": 0,
     "deltasync.options": 0,
+    "deltasync.parallel": 0,
     "deltasync.checkpoint_names": 1,
     "deltasync.tensors": 1,
     "deltasync.stores": 2,

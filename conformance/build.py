@@ -1,0 +1,398 @@
+"""Build the conformance suite: small golden stores, broken copies of one, and what a reader must get from each.
+
+    python conformance/build.py            # rewrites conformance/golden and conformance/broken
+
+The stores are written through the public API (``Publisher``) from weights
+edited bit by bit, so every feature a reader must handle appears on purpose:
+each codec, BF16 / F16 / F32, 1- and 2-byte index gaps with escapes, tensors
+changed densely, NaN payloads, infinities and signed zeros, 0-d to 4-D, odd
+and zero-element tensors, a non-ASCII name, multi-part anchors, retired
+anchors, and a version carried by two trainer ranks. Each case directory holds
+``store/`` (a run prefix as an object store holds it) and ``case.json``:
+
+- ``model``: every tensor's name, shape and dtype (what the reader holds);
+- ``fingerprint``: the model fingerprint computed from ``model``;
+- ``versions``: per reachable version, per tensor, the SHA-256 of its bytes
+  (row-major, little-endian, in its dtype) once the reader holds that version;
+- broken cases add ``refuse``: the version the reader must refuse and the
+  error class (the ``deltasync.errors`` name) it corresponds to.
+
+The committed stores are the reference: a rebuild writes new run ids, keys
+and times, so it replaces the suite rather than reproducing it byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+sys.path.insert(0, str(ROOT))
+
+from check import digests  # noqa: E402
+
+from deltasync import Publisher  # noqa: E402
+from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
+
+Weights = dict[str, torch.Tensor]
+BF16_NAN_PAYLOADS = (0x7FC1, 0xFFA5, 0x7F81)  # quiet with payload, negative quiet, signalling
+
+
+def model_of(weights: Weights) -> list[dict[str, Any]]:
+    specs = [TensorSpec.of(n, t, None) for n, t in sorted(weights.items())]
+    return [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in specs]
+
+
+def set_bits(tensor: torch.Tensor, flat: Any, bits: Any) -> None:
+    """Write raw bit patterns at flat positions (the tensor keeps its dtype; NaN payloads survive)."""
+    view = bits_view(tensor).view(-1)
+    unsigned = {2: np.uint16, 4: np.uint32}[view.element_size()]
+    signed = np.asarray(bits, dtype=unsigned).view(view.numpy().dtype)  # 0xFFA5 as the int16 it is
+    view[torch.as_tensor(flat)] = torch.from_numpy(signed.copy())
+
+
+def nudge(tensor: torch.Tensor, flat: Any) -> None:
+    """Move the elements at ``flat`` by one unit in the last place (their bit pattern + 1)."""
+    view = bits_view(tensor).view(-1)
+    where = torch.as_tensor(flat)
+    view[where] = view[where] + 1
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def shapes_model(dtype: torch.dtype = torch.bfloat16) -> Weights:
+    """Every shape a reader must handle, in one dtype."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "scalar": (),
+        "odd.vector": (1023,),
+        "matrix": (33, 65),
+        "cube": (3, 5, 7),
+        "hyper": (2, 3, 4, 5),
+        "empty": (0, 4),
+        "层.权重": (17,),
+        "big": (150_000,),
+    }
+    return {name: (torch.randn(shape, generator=g) * 0.05).to(dtype) for name, shape in shapes.items()}
+
+
+def shapes_steps(weights: Weights) -> list[Callable[[], None]]:
+    """Edits, one per version after the anchor, that exercise gap widths, escapes, dense and special values."""
+    big = weights["big"]
+
+    def v1() -> None:  # runs of neighbours: 1-byte gaps; every tensor moves
+        nudge(weights["odd.vector"], range(0, 1023, 3))
+        nudge(weights["matrix"], [0, 64, 65, 2144])
+        nudge(weights["cube"], [1, 2, 104])
+        nudge(weights["hyper"], [0, 119])
+        nudge(weights["scalar"], [0])
+        nudge(weights["层.权重"], [16])
+        nudge(big, range(7, 5000, 11))
+
+    def v2() -> None:  # special values, and gaps of ~1000: 2-byte widths
+        set_bits(big, [10, 20, 30], BF16_NAN_PAYLOADS)
+        set_bits(big, [40, 50], [0x7F80, 0xFF80])  # +inf, -inf
+        set_bits(big, [60, 70], [0x8000, 0x0000])  # -0.0, +0.0
+        nudge(big, range(1000, 150_000, 997))
+
+    def v3() -> None:  # small gaps with a few large ones: 1-byte width with escapes; a dense tensor
+        nudge(big, [*range(100, 1100, 5), 40_000, 40_001, 90_000, 149_999])
+        nudge(weights["matrix"], range(0, 33 * 65, 2))  # half of it: carried whole
+        set_bits(big, [60, 70], [0x0000, 0x8000])  # signed zeros swap
+
+    def v4() -> None:  # gaps up to ~2000 with one above 65534: 2-byte width with one escape
+        nudge(big, [*range(0, 60_000, 1999), 140_000])
+        set_bits(big, [10], [0x7FC2])  # a NaN payload changes
+
+    def v5() -> None:  # three changes 70,000 apart: 4-byte gaps
+        nudge(big, [0, 70_000, 140_001])
+        nudge(weights["层.权重"], range(17))
+        nudge(weights["odd.vector"], [1022])
+
+    return [v1, v2, v3, v4, v5]
+
+
+def dtypes_model() -> Weights:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "half.weight": (torch.randn(40, 30, generator=g) * 0.05).to(torch.float16),
+        "half.odd": (torch.randn(777, generator=g)).to(torch.float16),
+        "single.weight": torch.randn(20, 50, generator=g) * 0.05,
+        "single.scalar": torch.tensor(1.5),
+        "brain.weight": (torch.randn(64, 16, generator=g) * 0.05).to(torch.bfloat16),
+    }
+
+
+def dtypes_steps(weights: Weights) -> list[Callable[[], None]]:
+    def v1() -> None:
+        nudge(weights["half.weight"], range(0, 1200, 7))
+        nudge(weights["half.odd"], [0, 776])
+        nudge(weights["single.weight"], range(3, 1000, 13))
+        nudge(weights["brain.weight"], [5, 6, 7, 500])
+
+    def v2() -> None:
+        set_bits(weights["half.odd"], [1, 2, 3], [0x7E01, 0xFC00, 0x8000])  # F16 NaN payload, -inf, -0.0
+        set_bits(weights["single.weight"], [0, 1], [0x7FC00123, 0xFF800000])  # F32 NaN payload, -inf
+        nudge(weights["single.scalar"], [0])
+
+    def v3() -> None:
+        nudge(weights["half.weight"], range(0, 1200, 2))  # dense
+        nudge(weights["single.weight"], [999])
+
+    return [v1, v2, v3]
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def run(
+    root: Path, weights: Weights, steps: list[Callable[[], None]], **options: Any
+) -> dict[str, dict[str, str]]:
+    """Publish v0 and one version per step into ``root/store``; return each version's digests."""
+    expected = {}
+    with Publisher(weights, str(root / "store"), dtype=None, lease_s=1.0, **options) as publisher:
+        publisher.publish(0, block=True)
+        publisher.flush()
+        expected[str(publisher.version)] = digests(weights)
+        for step, edit in enumerate(steps, start=1):
+            edit()
+            publisher.publish(step, block=True)
+            publisher.flush()
+            expected[str(publisher.version)] = digests(weights)
+    return expected
+
+
+def write_case(root: Path, weights: Weights, versions: dict[str, dict[str, str]], **extra: Any) -> None:
+    model = model_of(weights)
+    specs = [TensorSpec(m["name"], tuple(m["shape"]), m["dtype"]) for m in model]
+    case = {"model": model, "fingerprint": fingerprint(specs), "store": "store", "versions": versions, **extra}
+    (root / "case.json").write_text(json.dumps(case, indent=1, ensure_ascii=False) + "\n")
+    for junk in (root / "store").rglob(".*"):  # the writer's local temporaries, if any
+        if junk.is_file():
+            junk.unlink()
+    acks = root / "store" / "acks"
+    if acks.exists():
+        shutil.rmtree(acks)
+
+
+def golden(out: Path) -> None:
+    for codec in ("compact", "compact-abs", "raw"):
+        root = out / f"shapes-bf16-{codec}"
+        weights = shapes_model()
+        write_case(root, weights, run(root, weights, shapes_steps(weights), codec=codec, anchor_every=1000))
+    root = out / "dtypes-f16-f32-compact"
+    weights = dtypes_model()
+    write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000))
+    # Anchors in several parts, one every two versions, only the newest kept: older ones are retired.
+    root = out / "anchors-multipart-retired"
+    weights = shapes_model()
+    versions = run(root, weights, shapes_steps(weights), anchor_every=2, keep_anchors=2, part_bytes=64 << 10)
+    manifest = json.loads((root / "store" / "manifest.json").read_text())
+    first_anchor = min(v["version"] for v in manifest["versions"] if v.get("anchor"))
+    write_case(root, weights, {v: d for v, d in versions.items() if int(v) >= first_anchor})
+    sharded(out / "sharded-2-ranks")
+
+
+# ---------------------------------------------------------------------------------------------- sharded
+
+
+def _rank(rank: int, world: int, init: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from deltasync.sharded import ShardedPublisher
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        weights = shapes_model()
+        steps = shapes_steps(weights)
+        versions = {}
+        with ShardedPublisher(weights, str(Path(root) / "store"), lease_s=1.0, anchor_every=1000) as publisher:
+            for step in range(len(steps) + 1):
+                if step:
+                    steps[step - 1]()
+                publisher.publish(step, block=True)
+                publisher.flush()
+                versions[str(publisher.version)] = digests(weights)
+        if rank == 0:
+            write_case(Path(root), weights, versions)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(root: Path) -> None:
+    import torch.multiprocessing as mp
+
+    root.mkdir(parents=True)
+    rendezvous = tempfile.mkdtemp(prefix="conformance-")
+    try:
+        mp.start_processes(_rank, args=(2, f"file://{rendezvous}/init", str(root)), nprocs=2, start_method="spawn")
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- broken
+
+
+def _header(data: bytes) -> tuple[dict[str, Any], bytes]:
+    length = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
+
+
+def _file(header_text: str, body: bytes) -> bytes:
+    encoded = header_text.encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + body
+
+
+def _entry_range(data: bytes, key: str) -> tuple[int, int]:
+    header, _ = _header(data)
+    length = struct.unpack("<Q", data[:8])[0]
+    start, stop = header[key]["data_offsets"]
+    return 8 + length + start, 8 + length + stop
+
+
+def _rehash(store: Path, key: str, *, size: int | None = None) -> None:
+    """Make the manifest's reference to ``key`` match the object as it now is (size and sha256)."""
+    data = (store / key).read_bytes()
+    manifest = json.loads((store / "manifest.json").read_text())
+    for entry in manifest["versions"]:
+        for ref in entry.get("delta", []) + entry.get("anchor", []):
+            if ref["key"] == key:
+                ref["size"] = len(data) if size is None else size
+                ref["sha256"] = hashlib.sha256(data).hexdigest()
+                ref.pop("header", None)  # a header reference would describe the old bytes
+    (store / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+
+
+def _set_entry_digest(data: bytes, tensor: str) -> bytes:
+    """Recompute one tensor's entry sha256 in the header after its entries were edited."""
+    header, body = _header(data)
+    tensors = json.loads(header["__metadata__"]["tensors"])
+    keys = sorted(k for k in header if k != "__metadata__" and k.rsplit("::", 1)[0] == tensor)
+    h = hashlib.sha256()
+    for key in keys:
+        start, stop = header[key]["data_offsets"]
+        h.update(body[start:stop])
+    old, new = tensors[tensor]["sha256"], h.hexdigest()
+    length = struct.unpack("<Q", data[:8])[0]
+    text = data[8 : 8 + length].decode().replace(old, new)
+    return _file(text, body)
+
+
+def broken(out: Path, source: Path) -> None:
+    """Copies of a golden store with one fault each, in version 2's delta."""
+    manifest = json.loads((source / "store" / "manifest.json").read_text())
+    key = next(v["delta"][0]["key"] for v in manifest["versions"] if v["version"] == 2)
+    case = json.loads((source / "case.json").read_text())
+
+    def make(name: str, error: str, why: str, fault: Callable[[Path], None]) -> None:
+        root = out / name
+        shutil.copytree(source / "store", root / "store")
+        fault(root / "store")
+        versions = {v: d for v, d in case["versions"].items() if int(v) < 2}
+        refuse = {"version": 2, "error": error, "why": why}
+        (root / "case.json").write_text(
+            json.dumps({**case, "versions": versions, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
+        )
+
+    def flip(store: Path) -> None:
+        data = bytearray((store / key).read_bytes())
+        data[-5] ^= 0x01
+        (store / key).write_bytes(bytes(data))
+
+    def truncate(store: Path) -> None:
+        data = (store / key).read_bytes()
+        (store / key).write_bytes(data[: len(data) // 2])
+
+    def wrong_size(store: Path) -> None:
+        _rehash(store, key, size=(store / key).stat().st_size + 16)
+
+    def corrupt_zstd(store: Path) -> None:
+        data = bytearray((store / key).read_bytes())
+        start, stop = _entry_range(bytes(data), "big::idx")
+        data[start + 4 : start + 12] = b"\xff" * 8  # inside the zstd frame header
+        (store / key).write_bytes(_set_entry_digest(bytes(data), "big"))
+        _rehash(store, key)
+
+    def forged_value(store: Path) -> None:
+        import zstandard
+
+        data = (store / key).read_bytes()
+        header, body = _header(data)
+        start, stop = header["big::val"]["data_offsets"]
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(body[start:stop]))
+        raw[0] ^= 0x02  # one changed element's value moves, every hash recomputed
+        frame = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
+        delta = len(frame) - (stop - start)
+        new_body = body[:start] + frame + body[stop:]
+        for entry_key, entry in header.items():
+            if entry_key != "__metadata__" and entry["data_offsets"][0] >= stop:
+                entry["data_offsets"] = [entry["data_offsets"][0] + delta, entry["data_offsets"][1] + delta]
+        header["big::val"]["data_offsets"] = [start, start + len(frame)]
+        rebuilt = _file(json.dumps(header, separators=(",", ":"), ensure_ascii=False), new_body)
+        (store / key).write_bytes(_set_entry_digest(rebuilt, "big"))
+        _rehash(store, key)
+
+    def wrong_fingerprint(store: Path) -> None:
+        data = (store / key).read_bytes()
+        header, body = _header(data)
+        old = header["__metadata__"]["fingerprint"]
+        length = struct.unpack("<Q", data[:8])[0]
+        text = data[8 : 8 + length].decode().replace(old, "0" * len(old))
+        (store / key).write_bytes(_file(text, body))
+        _rehash(store, key)
+
+    def duplicate_key(store: Path) -> None:
+        data = (store / key).read_bytes()
+        _, body = _header(data)
+        length = struct.unpack("<Q", data[:8])[0]
+        text = data[8 : 8 + length].decode().rstrip()
+        meta = json.loads(text)["__metadata__"]
+        forged = dict(meta, version="99")
+        # The same object twice: a parser keeping the first sees v2, one keeping the last sees v99.
+        twice = '"__metadata__":' + json.dumps(meta, ensure_ascii=False) + ',"__metadata__":' + json.dumps(
+            forged, ensure_ascii=False
+        )
+        text = text.replace('"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False), twice, 1)
+        assert text.count('"__metadata__"') == 2, "the header's metadata was not found verbatim"
+        (store / key).write_bytes(_file(text, body))
+        _rehash(store, key)
+
+    make("flipped-byte", "IntegrityError", "one byte of the object differs from the manifest's sha256", flip)
+    make("truncated", "IntegrityError", "the object is shorter than the manifest's size", truncate)
+    make("wrong-size", "IntegrityError", "the manifest declares a size the object does not have", wrong_size)
+    make("corrupt-zstd", "CodecError", "a zstd frame is damaged; every hash matches the damaged bytes", corrupt_zstd)
+    make("forged-value", "IntegrityError", "one value was changed and every hash recomputed: the codec's "
+         "BLAKE2b of the decoded values does not match", forged_value)
+    make("wrong-fingerprint", "FingerprintMismatch", "the delta names another model", wrong_fingerprint)
+    make("duplicate-json-key", "DeltaFormatError", "the header holds __metadata__ twice", duplicate_key)
+
+
+def main() -> None:
+    os.environ.setdefault("DELTASYNC_THREADS", "1")
+    for folder in ("golden", "broken"):
+        shutil.rmtree(ROOT / folder, ignore_errors=True)
+    golden(ROOT / "golden")
+    broken(ROOT / "broken", ROOT / "golden" / "shapes-bf16-compact")
+    total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
+    print(f"wrote {ROOT / 'golden'} and {ROOT / 'broken'} ({total / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=120)
+    main()

@@ -1,0 +1,116 @@
+"""The conformance suite (``conformance/``): every golden store decodes to its digests, every broken one is refused.
+
+The stores are committed files written by earlier versions of the code, so these
+tests also prove that what was once written stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deltasync import Subscriber, errors
+from deltasync.appliers import TorchModuleApplier
+from deltasync.format import read_header
+from deltasync.tensors import TensorSpec
+
+ROOT = Path(__file__).resolve().parents[1] / "conformance"
+sys.path.insert(0, str(ROOT))
+from check import cases, check, digests, walk  # noqa: E402
+
+GOLDEN = [c for c in cases() if c.parent.name == "golden"]
+BROKEN = [c for c in cases() if c.parent.name == "broken"]
+
+
+def _case(case_dir: Path) -> dict[str, Any]:
+    return json.loads((case_dir / "case.json").read_text())
+
+
+def _replica(case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    specs = [TensorSpec(m["name"], tuple(m["shape"]), m["dtype"]) for m in case["model"]]
+    return {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in specs}
+
+
+def test_the_suite_is_there() -> None:
+    assert len(GOLDEN) >= 6 and len(BROKEN) >= 7
+    size = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
+    assert size < 8e6, f"the suite should stay small: {size / 1e6:.1f} MB"
+
+
+@pytest.mark.parametrize("case_dir", GOLDEN + BROKEN, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_reference_walk_meets_the_case(case_dir: Path) -> None:
+    assert check(case_dir) == []
+
+
+@pytest.mark.parametrize("case_dir", GOLDEN, ids=lambda p: p.name)
+def test_a_subscriber_ends_at_the_latest_digests(case_dir: Path) -> None:
+    """The library's own replica (routes, range-free fetches, checks) lands where the walk does."""
+    case = _case(case_dir)
+    weights = _replica(case)
+    with Subscriber(str(case_dir / case["store"]), TorchModuleApplier(weights, dtype=None), ack=False) as sub:
+        info = sub.update()
+    latest = max(case["versions"], key=int)
+    assert info is not None and str(info.version) == latest
+    assert walk(case_dir).reached[latest] == case["versions"][latest]
+    assert digests(weights) == case["versions"][latest]
+
+
+@pytest.mark.parametrize("case_dir", BROKEN, ids=lambda p: p.name)
+def test_a_subscriber_refuses_the_broken_version_and_keeps_the_last_good_one(case_dir: Path) -> None:
+    case = _case(case_dir)
+    weights = _replica(case)
+    expected = getattr(errors, case["refuse"]["error"])
+    with Subscriber(str(case_dir / case["store"]), TorchModuleApplier(weights, dtype=None), ack=False) as sub:
+        with pytest.raises(expected):
+            sub.update()
+        assert sub.version == case["refuse"]["version"] - 1
+    assert digests(weights) == case["versions"][str(case["refuse"]["version"] - 1)]
+
+
+def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
+    seen: Counter[tuple[Any, ...]] = Counter()
+    for path in (ROOT / "golden").rglob("*.safetensors"):
+        header = read_header(path.read_bytes())
+        seen["kind", header.kind] += 1
+        for name, entry in header.tensors.items():
+            seen["codec", entry.codec] += 1
+            seen["dtype", entry.spec.dtype] += 1
+            seen["dims", len(entry.spec.shape)] += 1
+            if "iw" in entry.params:
+                seen["gap bytes", entry.params["iw"], "escapes" if entry.params["big"] else "plain"] += 1
+            if entry.rows is not None:
+                seen["shard rows"] += 1
+            if entry.spec.numel == 0:
+                seen["zero elements", header.kind] += 1
+            if not name.isascii():
+                seen["non-ascii name"] += 1
+    for need in [
+        ("codec", "compact"), ("codec", "compact-abs"), ("codec", "raw"), ("codec", "dense"),
+        ("dtype", "BF16"), ("dtype", "F16"), ("dtype", "F32"),
+        *[("dims", d) for d in range(5)],
+        ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),
+        ("gap bytes", 4, "plain"), ("shard rows",), ("zero elements", "anchor"), ("non-ascii name",),
+    ]:
+        assert seen[need if len(need) > 1 else need[0]], f"no golden file has {need}"
+    manifests = {p.parent.parent.name: json.loads(p.read_text()) for p in ROOT.glob("golden/*/store/manifest.json")}
+    assert any(len(v.get("anchor", [])) > 1 for m in manifests.values() for v in m["versions"])  # multi-part anchors
+    assert any(v.get("anchor") and v.get("delta") for m in manifests.values() for v in m["versions"])
+    assert any(json.loads(p.read_text())["retired"] for p in (ROOT / "golden").glob("*/store/retired.json"))
+
+
+def test_special_values_reach_the_reader_bit_exactly() -> None:
+    """NaN payloads, infinities and signed zeros are bit patterns like any other."""
+    weights = walk(ROOT / "golden" / "shapes-bf16-compact").weights
+    bits = weights["big"].view(torch.int16).numpy().view(np.uint16)
+    assert {0x7FC2, 0xFFA5, 0x7F81} <= set(bits[[10, 20, 30]].tolist())
+    assert bits[40] == 0x7F80 and bits[50] == 0xFF80 and bits[60] == 0x0000 and bits[70] == 0x8000
+    half = walk(ROOT / "golden" / "dtypes-f16-f32-compact").weights
+    assert half["half.odd"].view(torch.int16).numpy().view(np.uint16)[1] == 0x7E01
+    assert half["single.weight"].view(torch.int32).numpy().view(np.uint32).reshape(-1)[0] == 0x7FC00123
