@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .errors import DeltaSyncError
+from .jsonio import load_json
 from .keys import ACKS, ack_key
 from .stores import ObjectInfo, Store
 
@@ -65,6 +66,6 @@ def _acks(store: Store) -> Iterator[tuple[ObjectInfo, Any]]:
     """Every ack object with its parsed JSON (``None`` when unreadable), each read bounded."""
     for info in store.list(ACKS):
         try:
-            yield info, json.loads(store.get(info.key, max_bytes=MAX_ACK_BYTES))
+            yield info, load_json(store.get(info.key, max_bytes=MAX_ACK_BYTES), what=info.key, error=ValueError)
         except (DeltaSyncError, ValueError, RecursionError):  # RecursionError: a deeply nested ack
             yield info, None

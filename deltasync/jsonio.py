@@ -18,8 +18,9 @@ def load_json(data: bytes, *, what: str, error: type[Exception]) -> Any:
     """Parse JSON that deltasync wrote, refusing what two parsers could read differently.
 
     Duplicate object keys (one parser keeps the first, another the last), the
-    non-standard ``NaN`` / ``Infinity`` constants, and integers too long to
-    parse raise ``error``, as does anything that is not JSON.
+    non-standard ``NaN`` / ``Infinity`` constants, integers too long to
+    parse, encodings other than UTF-8 and a byte order mark raise ``error``, as
+    does anything that is not JSON.
     """
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -34,7 +35,10 @@ def load_json(data: bytes, *, what: str, error: type[Exception]) -> Any:
         raise error(f"{what} holds {name}, which is not JSON")
 
     try:
-        return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
+        text = bytes(data).decode("utf-8")  # UTF-8 only: json.loads would also take UTF-16/32
+        if text.startswith("\ufeff"):
+            raise error(f"{what} starts with a byte order mark; JSON here is UTF-8 without one")
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except error:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, overlong integers

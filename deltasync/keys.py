@@ -10,7 +10,7 @@ replica acks::
     acks/<replica>.json
 
 ``<writer>`` is the first 8 hex digits of the uploading publisher's writer id
-(the id the manifest records), so a key says whose it is: a trainer restarted
+(the manifest records rank 0's; each rank of a sharded run has its own), so a key says whose it is: a trainer restarted
 after a crash publishes version 108 under its own id, never mistaken for the
 dead one's uncommitted 108. ``<random>`` makes a key unique even when one
 writer uploads a version twice (a retried upload). Keys written before writer
@@ -74,7 +74,7 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not key or len(key) > 1024:
         raise ManifestError(f"invalid object key {key!r}", key=key)
     for segment in key.split("/"):
-        if segment in ("", ".", "..") or not _SEGMENT.match(segment):
+        if segment in ("", ".", "..") or not _SEGMENT.fullmatch(segment):
             raise ManifestError(
                 f"unsafe object key {key!r}: keys are relative paths of [A-Za-z0-9._=+@,-] segments",
                 key=key,

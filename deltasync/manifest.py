@@ -84,7 +84,7 @@ class ObjectRef:
             raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
         if self.header is not None:
             size, digest = self.header
-            if not _is_int(size, 8, self.size) or not isinstance(digest, str) or len(digest) != 64 or not _is_hex(digest):
+            if not _is_int(size, 8, self.size + 1) or not isinstance(digest, str) or len(digest) != 64 or not _is_hex(digest):
                 raise ManifestError(f"bad header reference for {self.key}", key=self.key)
 
     def to_json(self) -> dict[str, Any]:
@@ -118,7 +118,9 @@ class VersionEntry:
     time: float = 0.0
     """Publish time (seconds since the epoch, the writer's clock)."""
     nnz: int = 0
-    """Elements changed since ``version - 1`` (all elements for a bare anchor)."""
+    """Elements changed since ``version - 1``; all elements for a version first published as an anchor.
+
+    A version keeps its count when retention drops its delta (docs/PROTOCOL.md, "nnz of a version")."""
     delta: tuple[ObjectRef, ...] = ()
     """Delta object(s) from ``version - 1``; empty when only an anchor exists."""
     anchor: tuple[ObjectRef, ...] = ()
@@ -300,7 +302,7 @@ class Manifest:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from None
-        if "latest" in raw and raw["latest"] != manifest.latest:
+        if "latest" in raw and (raw["latest"] != manifest.latest or type(raw["latest"]) not in (int, type(None))):
             raise ManifestError(
                 f"manifest says latest is {raw['latest']!r:.40} but lists versions up to {manifest.latest}"
             )

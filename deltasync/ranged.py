@@ -84,6 +84,8 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
     if len(head) != size or hashlib.sha256(head).hexdigest() != digest:
         raise IntegrityError(f"{ref.key}: header bytes differ from the manifest's hash", key=ref.key)
     layout = raw_header(head)
+    if size != 8 + int.from_bytes(head[:8], "little"):  # the data area starts right after the JSON
+        raise DeltaFormatError(f"{ref.key}: the manifest's header size {size} is not 8 + the JSON length", key=ref.key)
     header = header_of(layout)
     names = tuple(name for name in header.tensors if wanted(name))
     keys = _entry_keys(header, layout, names, ref.key)

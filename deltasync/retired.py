@@ -23,10 +23,12 @@ Manifests written before this list existed carry the same pairs in their own
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ManifestError, ObjectNotFound
+from .jsonio import load_json
 from .keys import MANIFEST_KEY, RETIRED_KEY, check_key
 from .manifest import Manifest, referenced_keys
 
@@ -65,14 +67,21 @@ def read_retired(store: Store) -> Retired:
         return Retired()
     data, info = got
     try:
-        raw: Any = json.loads(data)
+        raw: Any = load_json(data, what=RETIRED_KEY, error=ValueError)
         pairs = raw["retired"]
         if raw.get("schema") != SCHEMA or not isinstance(pairs, list):
             raise ValueError("unknown schema")
-        entries = tuple((check_key(key), float(when)) for key, when in pairs)
+        entries = tuple((check_key(key), _time(when)) for key, when in pairs)
     except (ValueError, TypeError, KeyError) as exc:
         raise ManifestError(f"{store.url}/{RETIRED_KEY} is malformed ({exc}); delete it and run deltasync gc") from None
     return Retired(entries, info.etag)
+
+
+def _time(value: Any) -> float:
+    """A retirement time: a finite JSON number (not a bool, NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"bad retirement time {value!r:.40}")
+    return float(value)
 
 
 def write_retired(store: Store, entries: tuple[tuple[str, float], ...], *, run_id: str, etag: str | None) -> Retired:

@@ -65,4 +65,23 @@ def decompress(blob: np.ndarray, expected: int, what: str) -> bytes:
         raise CodecError(f"{what}: corrupt zstd frame ({exc})", part=what) from None
     if len(out) != expected:
         raise CodecError(f"{what}: decompressed {len(out)} bytes, expected {expected}", part=what)
+    if _frame_size(data) != data.size:  # one frame and nothing after it: no hidden second payload
+        raise CodecError(f"{what}: bytes after the zstd frame", part=what)
     return out
+
+
+def _frame_size(frame: np.ndarray) -> int:
+    """The length of the (already decoded, so well-formed) zstd frame at the start of ``frame``.
+
+    Walks the frame's block headers (RFC 8878: 3 bytes each, last-block bit,
+    block type, block size; an RLE block holds one byte) and adds the
+    optional 4-byte checksum.
+    """
+    pos = zstandard.frame_header_size(frame)
+    while pos + 3 <= frame.size:
+        header = int(frame[pos]) | int(frame[pos + 1]) << 8 | int(frame[pos + 2]) << 16
+        kind, size = (header >> 1) & 3, header >> 3
+        pos += 3 + (1 if kind == 1 else size)
+        if header & 1:
+            break
+    return pos + (4 if zstandard.get_frame_parameters(frame).has_checksum else 0)

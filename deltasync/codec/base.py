@@ -66,6 +66,9 @@ class Codec(ABC):
     """Registry name, written into every file that uses the codec."""
     needs_base: ClassVar[bool] = False
     """True when decoding reads the receiver's current values at the changed indices."""
+    streams: ClassVar[frozenset[str] | None] = frozenset({"idx", "val"})
+    """The part names a file may carry for a tensor of this codec (``T::idx``...); a reader refuses others.
+    ``None``: not declared, nothing is refused."""
 
     @abstractmethod
     def encode(self, change: TensorChange, *, level: int) -> Encoded:

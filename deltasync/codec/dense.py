@@ -17,6 +17,7 @@ class DenseCodec(Codec):
     """Every element, in the published dtype."""
 
     name = "dense"
+    streams = frozenset({"val"})
 
     def supports(self, change: TensorChange) -> bool:
         return change.dense

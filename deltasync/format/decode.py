@@ -95,6 +95,12 @@ def decode_entries(
         except ValueError as exc:
             raise CodecError(f"{name}: {exc}", name=name) from None
 
+    for name in wanted:  # a stream the codec does not read would be data two readers see differently
+        streams = codecs[name].streams
+        if streams is not None and not grouped[name].keys() <= streams:
+            unknown = sorted(grouped[name].keys() - streams)
+            raise DeltaFormatError(f"{name}: entries {unknown} are not streams of codec {codecs[name].name!r}")
+
     def decode_one(name: str) -> Decoded:
         entry = wanted[name]
         lookup = base

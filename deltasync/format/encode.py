@@ -151,7 +151,8 @@ def natural_key(name: str) -> tuple[Any, ...]:
     rank's run of experts, next to each other, so a range reader fetches them in
     one request.
     """
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+    # isdecimal, not isdigit: "²" is a digit that int() cannot read, and \d does not split it out.
+    return tuple(int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", name))
 
 
 def encode_anchor(

@@ -305,6 +305,14 @@ def _parse_header(meta: dict[str, Any]) -> Header:
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
     numel = _integer(meta, "numel")
+    for name, entry in tensors.items():
+        carried = entry.local_spec.numel
+        if kind == "anchor" and (entry.codec != "dense" or entry.nnz != carried):
+            raise DeltaFormatError(f"{name}: an anchor carries every element (codec dense, nnz {carried})")
+        if kind == "delta" and entry.nnz == 0:
+            raise DeltaFormatError(f"{name}: a delta lists only tensors that changed (nnz >= 1)")
+    if sum(entry.local_spec.numel for entry in tensors.values()) > numel:
+        raise DeltaFormatError(f"the file carries more elements than the model's numel {numel}")
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
 
 
