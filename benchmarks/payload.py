@@ -19,7 +19,7 @@ Every time is the best of several runs on the same inputs (the machine is
 shared and noisy); the detection times and their baselines are taken in turns. Writes ``benchmarks/results/payload.json`` and prints a
 markdown table.
 
-    python benchmarks/payload.py            # 8 steps at lr 3e-6
+    python benchmarks/payload.py            # 40 steps at lr 3e-6 (steady state: the last 10)
     python benchmarks/payload.py --quick    # 3 steps
 
 Sweeps (``benchmarks/_sweep.py``) compare every layout, the public prototype
@@ -62,7 +62,9 @@ from deltasync.format import decode, encode_delta  # noqa: E402
 from deltasync.models import chat_batches, load_smollm2, train_step  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
 
-CODECS = ["raw", "compact-abs", "compact"]
+# compact-exp codes positions per base exponent: an O(numel) pass per version on both sides (slow links).
+CODECS = ["raw", "compact-abs", "compact", "compact-exp"]
+PER_CHANGE = ["compact", "compact-exp"]  # bytes per changed element, per step
 DEFAULT_CODEC = "compact"
 REPEATS = 3  # runs per encode / decode timing; the minimum is kept
 DETECT_REPEATS = 5  # rounds of the detection timings (ne, cast + ne, diff fp32, diff bf16), taken in turns
@@ -141,6 +143,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "floor_exponent_per_change": median([r["entropy"]["exponent_per_change"] for r in rows]),
         "codecs": {},
     }
+    # Steady state: the last quarter of the run (steps 31-40 of 40), next to the whole run's medians.
+    late = rows[len(rows) - max(1, len(rows) // 4) :]
+    out["steady_steps"] = [late[0]["version"], late[-1]["version"]]
+    out["steady_bytes_per_change"] = {
+        codec: median([r["codecs"][codec]["bytes"] / r["nnz"] for r in late]) for codec in CODECS
+    }
+    out["steady_floor_exponent_per_change"] = median([r["entropy"]["exponent_per_change"] for r in late])
     for codec in CODECS:
         size = median([r["codecs"][codec]["bytes"] for r in rows])
         t_enc = median([r["codecs"][codec]["t_encode"] for r in rows])
@@ -149,6 +158,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         detect_encode_bf16 = median([r["t_diff_bf16"] + r["codecs"][codec]["t_encode"] for r in rows])
         out["codecs"][codec] = {
             "bytes": size,
+            "bytes_per_change": median([r["codecs"][codec]["bytes"] / r["nnz"] for r in rows]),
             "vs_raw": size / raw,
             "dense_over": rows[0]["dense_bytes"] / size,
             "t_encode": t_enc,
@@ -168,23 +178,26 @@ def print_report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         [
             [r["version"], f"{100 * r['sparsity']:.3f} %", human_bytes(r["dense_bytes"]),
              *(human_bytes(r["codecs"][c]["bytes"]) for c in CODECS),
-             f"{r['codecs'][DEFAULT_CODEC]['bytes'] / r['nnz']:.2f}",
+             *(f"{r['codecs'][c]['bytes'] / r['nnz']:.2f}" for c in PER_CHANGE),
              f"{r['entropy']['iid_per_change']:.2f}", f"{r['entropy']['exponent_per_change']:.2f}",
              "yes" if r["exact"] else "NO"]
             for r in rows
         ],
-        ["step", "sparsity", "dense bf16", *CODECS, f"{DEFAULT_CODEC} B/change", "floor iid", "floor | exponent",
-         "bit-exact"],
+        ["step", "sparsity", "dense bf16", *CODECS, *(f"{c} B/change" for c in PER_CHANGE), "floor iid",
+         "floor | exponent", "bit-exact"],
     )
     codecs = table(
         [
-            [c, human_bytes(s["bytes"]), f"{100 * s['vs_raw']:.1f} %", f"{s['dense_over']:.0f}x",
+            [c, human_bytes(s["bytes"]), f"{s['bytes_per_change']:.2f}",
+             f"{summary['steady_bytes_per_change'][c]:.2f}", f"{100 * s['vs_raw']:.1f} %", f"{s['dense_over']:.0f}x",
              f"{s['detect_encode_elems_per_s'] / 1e6:.0f} M/s", f"{s['speed_vs_ne']:.2f}",
              f"{s['speed_vs_cast_ne']:.2f}", f"{s['speed_vs_ne_bf16']:.2f}",
              f"{s['decode_changed_per_s'] / 1e6:.1f} M/s"]
             for c, s in summary["codecs"].items()
         ],
-        ["codec", "median bytes", "vs raw", "dense / codec", "detect+encode", "speed vs ne",
+        ["codec", "median bytes", "B/change",
+         f"B/change, steps {summary['steady_steps'][0]}-{summary['steady_steps'][1]}", "vs raw", "dense / codec",
+         "detect+encode", "speed vs ne",
          "vs cast+ne", "bf16 weights vs ne", "decode (changed/s)"],
     )
     times = table(
@@ -200,7 +213,7 @@ def print_report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="3 steps (sweeps: a 2-layer model, fewer points)")

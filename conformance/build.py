@@ -1,6 +1,7 @@
 """Build the conformance suite: small golden stores, broken copies of one, and what a reader must get from each.
 
-    python conformance/build.py            # rewrites conformance/golden and conformance/broken
+    python conformance/build.py                          # rewrites conformance/golden and conformance/broken
+    python conformance/build.py shapes-bf16-compact-exp  # (re)builds one golden case, keeping the others
 
 The stores are written through the public API (``Publisher``) from weights
 edited bit by bit, so every feature a reader must handle appears on purpose:
@@ -189,22 +190,36 @@ def write_case(root: Path, weights: Weights, versions: dict[str, dict[str, str]]
         shutil.rmtree(acks)
 
 
-def golden(out: Path) -> None:
-    for codec in ("compact", "compact-abs", "raw"):
-        root = out / f"shapes-bf16-{codec}"
+def shapes_case(codec: str) -> Callable[[Path], None]:
+    def build(root: Path) -> None:
         weights = shapes_model()
         write_case(root, weights, run(root, weights, shapes_steps(weights), codec=codec, anchor_every=1000))
-    root = out / "dtypes-f16-f32-compact"
+
+    return build
+
+
+def dtypes_case(root: Path) -> None:
     weights = dtypes_model()
     write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000))
-    # Anchors in several parts, one every two versions, only the newest kept: older ones are retired.
-    root = out / "anchors-multipart-retired"
+
+
+def multipart_retired_case(root: Path) -> None:
+    """Anchors in several files, one every two versions, the two newest kept: older ones are retired."""
     weights = shapes_model()
     versions = run(root, weights, shapes_steps(weights), anchor_every=2, keep_anchors=2, part_bytes=64 << 10)
     manifest = json.loads((root / "store" / "manifest.json").read_text())
     first_anchor = min(v["version"] for v in manifest["versions"] if v.get("anchor"))
     write_case(root, weights, {v: d for v, d in versions.items() if int(v) >= first_anchor})
-    sharded(out / "sharded-2-ranks")
+
+
+def golden_cases() -> dict[str, Callable[[Path], None]]:
+    """Every golden case by name, with what builds it."""
+    return {
+        **{f"shapes-bf16-{codec}": shapes_case(codec) for codec in ("compact", "compact-abs", "compact-exp", "raw")},
+        "dtypes-f16-f32-compact": dtypes_case,
+        "anchors-multipart-retired": multipart_retired_case,
+        "sharded-2-ranks": sharded,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- sharded
@@ -383,16 +398,22 @@ def broken(out: Path, source: Path) -> None:
     make("duplicate-json-key", "DeltaFormatError", "the header holds __metadata__ twice", duplicate_key)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """Rebuild the whole suite, or only the golden cases named in ``argv`` (new cases beside the kept ones)."""
     os.environ.setdefault("DELTASYNC_THREADS", "1")
-    for folder in ("golden", "broken"):
-        shutil.rmtree(ROOT / folder, ignore_errors=True)
-    golden(ROOT / "golden")
-    broken(ROOT / "broken", ROOT / "golden" / "shapes-bf16-compact")
+    cases = golden_cases()
+    unknown = set(argv) - set(cases)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; golden cases: {sorted(cases)}")
+    for name in argv or cases:
+        shutil.rmtree(ROOT / "golden" / name, ignore_errors=True)
+        cases[name](ROOT / "golden" / name)
+    if not argv:
+        shutil.rmtree(ROOT / "broken", ignore_errors=True)
+        broken(ROOT / "broken", ROOT / "golden" / "shapes-bf16-compact")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
-    print(f"wrote {ROOT / 'golden'} and {ROOT / 'broken'} ({total / 1e6:.1f} MB)")
+    print(f"wrote {', '.join(argv) or 'the whole suite'} under {ROOT} ({total / 1e6:.1f} MB in all)")
 
 
 if __name__ == "__main__":
-    np.set_printoptions(linewidth=120)
-    main()
+    main(sys.argv[1:])

@@ -38,8 +38,9 @@ __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DE
 # and the word mask (1 MiB) small while amortising per-op overhead (~5 us per
 # torch op); on SmolLM2-135M, 1-4 Mi are equally fast and 256 Ki is slower.
 DEFAULT_CHUNK = 1 << 22
-# Above this fraction of changed elements a tensor is captured whole: int32
-# index + bf16 value (6 bytes) per change costs more than 2 bytes per element.
+# Above this fraction of changed elements a tensor is captured whole (int32 index + bf16 value, 6 bytes per
+# change, would cost more than 2 bytes per element); the encoder then sends it whole or as its changes,
+# whichever its codec makes smaller.
 DENSE_FRACTION = 1 / 3
 # Elements are compared as int64 words (4 bf16 or 2 fp32 per compare).
 _WORD_BYTES = 8
@@ -68,6 +69,21 @@ class TensorChange:
     """Old bit patterns at ``indices`` (for base-relative codecs); ``None`` when dense."""
     nnz: int
     """Number of elements whose bit pattern changed."""
+    whole_base: torch.Tensor | None = None
+    """Every old bit pattern of the tensor, flat (a view of the snapshot, valid until it advances): for
+    codecs that code positions against what the receiver holds, and for carrying a densely changed
+    tensor sparsely when that is smaller. ``None`` where the source does not provide it."""
+
+    def as_sparse(self) -> TensorChange:
+        """This change as indices and values (a dense change needs ``whole_base``)."""
+        if not self.dense:
+            return self
+        if self.whole_base is None:
+            raise ValueError(f"{self.spec.name}: a dense change without its base cannot be made sparse")
+        old = self.whole_base.reshape(-1).cpu()
+        new = self.values.reshape(-1)
+        indices = torch.nonzero(torch.ne(new, old)).reshape(-1)
+        return TensorChange(self.spec, indices, new[indices], old[indices], self.nnz, self.whole_base)
 
     @property
     def dense(self) -> bool:
@@ -276,9 +292,9 @@ def _diff_tensor(
     if nnz > limit:
         values = torch.empty(spec.numel, dtype=old_bits.dtype)
         values.view(published.dtype).copy_(flat)  # cast and move to the CPU in one copy
-        return TensorChange(spec, None, values, None, nnz)
+        return TensorChange(spec, None, values, None, nnz, old_bits)
     idx, new_values, old_values = (torch.from_numpy(_concat(parts)) for parts in zip(*found))
-    return TensorChange(spec, idx, new_values, old_values, nnz)
+    return TensorChange(spec, idx, new_values, old_values, nnz, old_bits)
 
 
 def _concat(parts: tuple[np.ndarray, ...]) -> np.ndarray:

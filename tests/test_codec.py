@@ -13,7 +13,7 @@ from deltasync.codec import codec_names, get_codec, register_codec
 from deltasync.diff import Snapshot, diff
 from deltasync.format import decode, encode_anchor, encode_delta
 
-SPARSE_CODECS = ["compact", "compact-abs", "raw"]
+SPARSE_CODECS = ["compact", "compact-abs", "compact-exp", "raw"]
 DTYPES = {"BF16": (torch.bfloat16, torch.int16), "F16": (torch.float16, torch.int16), "F32": (torch.float32, torch.int32)}
 # Bit patterns float comparisons get wrong: +-0, NaN payloads, +-inf, subnormals, extremes.
 SPECIAL_16 = [0x0000, -0x8000, 0x7FC0, 0x7FC1, -0x003F, 0x7F80, -0x0080, 0x0001, -0x7FFF, 0x7F7F, -0x0081]
@@ -181,7 +181,9 @@ class TestFastPathsMatchReference:
 
     @pytest.mark.parametrize("width", [1, 2, 4, 8])
     def test_planes_roundtrip(self, width: int) -> None:
-        from deltasync.codec.compact import _UNSIGNED, _planes, _unplanes
+        from deltasync.codec.compact import UNSIGNED as _UNSIGNED
+        from deltasync.codec.compact import planes as _planes
+        from deltasync.codec.compact import unplanes as _unplanes
 
         words = np.random.default_rng(width).integers(0, 255, 1001 * width, dtype=np.uint8).view(_UNSIGNED[width])
         planes = _planes(words)
@@ -269,3 +271,43 @@ def body(data: bytes) -> bytes:
     import struct
 
     return data[8 + struct.unpack("<Q", data[:8])[0] :]
+
+
+def test_compact_exp_ranks_every_exponent_including_infinities_and_nans() -> None:
+    """Bases at exponent 255 (inf, NaN) and 0 (zeros, subnormals) rank like any other class."""
+    base = np.array([0x7F80, 0x0000, 0x7FC1, 0x3F80, 0xFF80, 0x0001, 0x7F80, 0x3F81] * 50, dtype=np.uint16)
+    target = base.copy()
+    target[[0, 2, 6, 9, 14, 399]] ^= 0x0002
+    roundtrip("BF16", base.view(np.int16), target.view(np.int16), "compact-exp")
+
+
+def test_compact_exp_is_smaller_when_changes_follow_the_exponent() -> None:
+    """Small weights flip far more often than large ones: coding positions per exponent pays off."""
+    rng = np.random.default_rng(0)
+    values = torch.from_numpy(rng.standard_normal(1 << 19).astype(np.float32) * 0.02)
+    snap = Snapshot.capture({"w": values})
+    moved = values.clone()
+    small = moved.abs() < 0.004
+    moved[small] += 0.0004 * torch.sign(moved[small])  # moves small weights by a bf16 step or more
+    changes = diff(snap, {"w": moved})
+    sizes = {c: len(encode_delta(changes, version=1, base_version=0, codec=c)) for c in ("compact", "compact-exp")}
+    assert sizes["compact-exp"] < 0.8 * sizes["compact"], sizes
+
+
+def test_a_densely_changed_tensor_goes_whole_or_sparse_whichever_is_smaller() -> None:
+    """Half of a norm's elements moved by one ulp: its changes code smaller than the whole tensor."""
+    weights = {"norm": torch.ones(4096, dtype=torch.bfloat16), "noise": torch.zeros(64, dtype=torch.bfloat16)}
+    snapshot = Snapshot.capture(weights)
+    replica = {n: t.clone() for n, t in weights.items()}
+    weights["norm"].view(torch.int16)[::2] += 1
+    weights["noise"].copy_(torch.randn(64, generator=torch.Generator().manual_seed(0)))
+    changes = diff(snapshot, weights)
+    assert all(c.dense for c in changes.changes)
+    data = encode_delta(changes, version=1, base_version=0)
+    applier = TorchModuleApplier(replica)
+    header, patches = decode(data, base=applier.lookup)
+    assert {n: e.codec for n, e in header.tensors.items()} == {"norm": "compact", "noise": "dense"}
+    assert header.tensors["norm"].nnz == 2048
+    applier.validate(header)
+    applier.apply(patches)
+    assert all(torch.equal(replica[n].view(torch.int16), weights[n].view(torch.int16)) for n in weights)

@@ -227,7 +227,7 @@ class TestReceiverValidation:
 @given(st.data())
 def test_fuzzed_files_raise_only_typed_errors(data: st.DataObject) -> None:
     """Any corruption either decodes or raises a DeltaSyncError; nothing else escapes."""
-    codec = data.draw(st.sampled_from(["compact", "raw", "compact-abs"]))
+    codec = data.draw(st.sampled_from(["compact", "raw", "compact-abs", "compact-exp"]))
     original, base, _ = make_delta(codec)
     buf = bytearray(original)
     for _ in range(data.draw(st.integers(1, 8))):
@@ -279,7 +279,7 @@ def _shards(
 
 @pytest.mark.parametrize("flat", [False, True], ids=["rows", "elements"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-@pytest.mark.parametrize("codec", ["compact", "raw"])
+@pytest.mark.parametrize("codec", ["compact", "raw", "compact-exp"])
 def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool) -> None:
     from deltasync.format import combine
 

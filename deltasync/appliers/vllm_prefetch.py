@@ -101,7 +101,7 @@ def changed_indices(headers: Iterable[Header], tapped: TapBuffer) -> dict[str, l
             continue
         entries: dict[str, Any] | None = None
         for name, entry in header.tensors.items():
-            if not isinstance(get_codec(entry.codec), CompactCodec) or not get_codec(entry.codec).needs_base:
+            if type(get_codec(entry.codec)) is not CompactCodec:  # its index stream holds the positions read
                 continue
             if entries is None:
                 entries = _load_entries(blob) or {}

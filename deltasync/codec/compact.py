@@ -30,8 +30,8 @@ from ._zstd import compress, decompress
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 
 _WIDTHS = (1, 2, 4)
-_UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
+UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
 
 
 def values_digest(bits: np.ndarray) -> str:
@@ -48,14 +48,14 @@ def _planes_into(out: np.ndarray, words: np.ndarray) -> None:
         planes[k] = words >> (8 * k) if k else words  # assignment keeps the low byte
 
 
-def _planes(words: np.ndarray) -> np.ndarray:
+def planes(words: np.ndarray) -> np.ndarray:
     out = np.empty(words.nbytes, dtype=np.uint8)
     _planes_into(out, words)
     return out
 
 
-def _unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
-    """Inverse of :func:`_planes`: ``count`` words of ``dtype`` from their byte planes."""
+def unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """Inverse of :func:`planes`: ``count`` words of ``dtype`` from their byte planes."""
     width = dtype.itemsize
     planes = np.frombuffer(raw, dtype=np.uint8, count=count * width, offset=offset).reshape(width, count)
     out = planes[0].astype(dtype)
@@ -102,9 +102,9 @@ def encode_indices(indices: np.ndarray, level: int) -> tuple[np.ndarray, dict[st
     size = gaps.size * width
     payload = np.empty(size + 8 * n_big, dtype=np.uint8)  # main planes, then the uint64 side stream
     main = np.minimum(gaps, escape) if n_big else gaps
-    _planes_into(payload[:size], main.astype(_UNSIGNED[width]))
+    _planes_into(payload[:size], main.astype(UNSIGNED[width]))
     if n_big:
-        payload[size:] = gaps[gaps >= escape].astype(_UNSIGNED[8]).view(np.uint8)
+        payload[size:] = gaps[gaps >= escape].astype(UNSIGNED[8]).view(np.uint8)
     return compress(payload, level), {"iw": width, "big": n_big}
 
 
@@ -122,7 +122,7 @@ def decode_indices(blob: np.ndarray, params: Params, spec: TensorSpec, nnz: int)
     raw = decompress(blob, nnz * width + 8 * n_big, f"{spec.name}::idx")
     escape = (1 << (8 * width)) - 1
     narrow = (
-        np.frombuffer(raw, dtype=np.uint8, count=nnz) if width == 1 else _unplanes(raw, nnz, _UNSIGNED[width])
+        np.frombuffer(raw, dtype=np.uint8, count=nnz) if width == 1 else unplanes(raw, nnz, UNSIGNED[width])
     )
     if n_big == 0 and width < 4:
         if nnz and int(narrow.max()) >= escape:
@@ -130,7 +130,7 @@ def decode_indices(blob: np.ndarray, params: Params, spec: TensorSpec, nnz: int)
         gaps = np.add(narrow, 1, dtype=np.int64)  # the gap plus the changed element itself
     else:
         gaps = narrow.astype(np.int64)
-        big = np.frombuffer(raw, dtype=_UNSIGNED[8], count=n_big, offset=nnz * width)
+        big = np.frombuffer(raw, dtype=UNSIGNED[8], count=n_big, offset=nnz * width)
         escaped = gaps == escape
         if int(np.count_nonzero(escaped)) != n_big:
             raise CodecError(f"{spec.name}: escape count differs from params", name=spec.name)
@@ -161,19 +161,19 @@ def _exponent_order(base: np.ndarray) -> np.ndarray:
     # uint8 keeps exactly the 8 bits above the mantissa; a stable sort on one
     # byte is a single radix pass (the order is unique, so identical to a
     # stable sort on the same values held wider).
-    exponent = (base.view(_UNSIGNED[base.dtype.itemsize]) >> mantissa_bits).astype(np.uint8)
+    exponent = (base.view(UNSIGNED[base.dtype.itemsize]) >> mantissa_bits).astype(np.uint8)
     return exponent.argsort(kind="stable")
 
 
-def _zigzag(delta: np.ndarray) -> np.ndarray:
+def zigzag(delta: np.ndarray) -> np.ndarray:
     bits = delta.dtype.itemsize * 8
     out = delta << 1
     out ^= delta >> (bits - 1)
-    return out.view(_UNSIGNED[delta.dtype.itemsize])
+    return out.view(UNSIGNED[delta.dtype.itemsize])
 
 
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    signed = _SIGNED[z.dtype.itemsize]
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    signed = SIGNED[z.dtype.itemsize]
     return (z >> 1).view(signed) ^ -(z & 1).view(signed)
 
 
@@ -191,7 +191,7 @@ class CompactCodec(Codec):
         words = self._values_to_words(new, base)
         params["sum"] = values_digest(new)
         return Encoded(
-            parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(_planes(words), level))},
+            parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(planes(words), level))},
             params=params,
         )
 
@@ -201,7 +201,7 @@ class CompactCodec(Codec):
         indices = decode_indices(idx_blob, params, spec, nnz)
         width = spec.torch_dtype.itemsize
         raw = decompress(val_blob, nnz * width, f"{spec.name}::val")
-        words = _unplanes(raw, nnz, _UNSIGNED[width])
+        words = unplanes(raw, nnz, UNSIGNED[width])
         values = self._words_to_values(words, indices, spec, base)
         self._check_digest(values, params, spec)
         return Decoded(indices, values)
@@ -210,9 +210,9 @@ class CompactCodec(Codec):
     def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
         if base is None:
             raise ValueError("the compact codec needs the base values of the change")
-        unsigned = _UNSIGNED[new.dtype.itemsize]
+        unsigned = UNSIGNED[new.dtype.itemsize]
         delta = (new.view(unsigned) - base.view(unsigned)).view(new.dtype)
-        return _zigzag(delta)[_exponent_order(base)]
+        return zigzag(delta)[_exponent_order(base)]
 
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: BaseLookup | None
@@ -223,13 +223,13 @@ class CompactCodec(Codec):
                 name=spec.name,
             )
         current = np.ascontiguousarray(base(spec.name, indices))
-        signed = _SIGNED[words.dtype.itemsize]
+        signed = SIGNED[words.dtype.itemsize]
         if current.shape != indices.shape or current.dtype.itemsize != words.dtype.itemsize:
             raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
         unsigned = words.dtype
         ordered = np.empty_like(words)
         ordered[_exponent_order(current)] = words
-        return (current.view(unsigned) + _unzigzag(ordered).view(unsigned)).view(signed)
+        return (current.view(unsigned) + unzigzag(ordered).view(unsigned)).view(signed)
 
     def _check_digest(self, values: np.ndarray, params: Params, spec: TensorSpec) -> None:
         if values_digest(values) != params.get("sum"):
@@ -248,9 +248,9 @@ class CompactAbsCodec(CompactCodec):
 
     @staticmethod
     def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
-        return new.view(_UNSIGNED[new.dtype.itemsize])
+        return new.view(UNSIGNED[new.dtype.itemsize])
 
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: BaseLookup | None
     ) -> np.ndarray:
-        return words.view(_SIGNED[words.dtype.itemsize])
+        return words.view(SIGNED[words.dtype.itemsize])

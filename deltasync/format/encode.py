@@ -71,9 +71,16 @@ def encode_delta(
     dense = get_codec("dense")
 
     def encode_one(change: TensorChange) -> tuple[str, Any]:
-        chosen = dense if change.dense else sparse
-        if not chosen.supports(change):
-            chosen = get_codec(DEFAULT_CODEC)
+        if change.dense:
+            whole = dense.encode(change, level=level)
+            changed = change.as_sparse() if change.whole_base is not None else None
+            if changed is None or not sparse.supports(changed):
+                return dense.name, whole
+            # Densely changed: send whichever is smaller, the whole tensor or the changes.
+            sparse_one = sparse.encode(changed, level=level)
+            smaller = _nbytes(sparse_one) < _nbytes(whole)
+            return (sparse.name, sparse_one) if smaller else (dense.name, whole)
+        chosen = sparse if sparse.supports(change) else get_codec(DEFAULT_CODEC)
         return chosen.name, chosen.encode(change, level=level)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -106,6 +113,10 @@ def _full_specs(model: Sequence[TensorSpec], carried: Sequence[TensorSpec], rows
             raise ValueError(f"{local.name}: carried as {local}, the model has {spec}")
         out[local.name] = spec
     return out
+
+
+def _nbytes(encoded: Any) -> int:
+    return sum(part.numel() * part.element_size() for part in encoded.parts.values())
 
 
 def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
