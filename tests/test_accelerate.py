@@ -1,16 +1,15 @@
-"""A real ``accelerate launch`` of TRL's GRPOTrainer under DeepSpeed ZeRO-3, followed by a vLLM server replica.
+"""Real ``accelerate launch`` runs of TRL's GRPOTrainer, DeepSpeed ZeRO-3 and FSDP2, followed by a vLLM server replica.
 
-Two trainer processes (DeepSpeed 0.19 on CPU, gloo) train SmolLM2-135M with
-GRPO, generating through a vLLM server (module form, deltasync worker
-extension) that a deltasync follower keeps current from a local store. Every
-rank publishes the parameter slices it holds; nothing is gathered for the sync.
-At the end the server's weights, read back through its index map, equal the
-trainer's final weights (gathered once, for the check) bit for bit, and the
-run's logs carry deltasync's metrics.
-
-FSDP2 is not run this way here: accelerate 1.15 enables its FSDP plugin only
-on accelerator devices and falls back to plain multi-process CPU training
-(``tests/test_sharded.py`` drives the callback on real FSDP2 ranks instead).
+Two trainer processes (on CPU, gloo) train SmolLM2-135M with GRPO, generating
+through a vLLM server (module form, deltasync worker extension) that a
+deltasync follower keeps current from a local store. Under ZeRO-3 (DeepSpeed
+0.19) every rank publishes the flat parameter slices it holds; under FSDP2 (the
+model loaded already sharded by transformers' ``DistributedConfig``, since
+accelerate's own FSDP plugin shards only on accelerators) every rank publishes
+the rows it holds. Nothing is gathered for the sync. At the end the server's
+weights, read back through its index map, equal the trainer's final weights
+(gathered once, for the check) bit for bit, and the run's logs carry
+deltasync's metrics.
 """
 
 from __future__ import annotations
@@ -35,7 +34,14 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_grpo_under_accelerate_launch_zero3_reaches_the_server_exactly(tmp_path: Path) -> None:
+LAUNCHES = {  # config file -> what the example reports about the launched trainer
+    "zero3": "2 process(es), DistributedType.DEEPSPEED, parameters zero3",
+    "fsdp2": "2 process(es), DistributedType.MULTI_CPU, parameters fsdp2",
+}
+
+
+@pytest.mark.parametrize("config", sorted(LAUNCHES))
+def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path, config: str) -> None:
     import safetensors.torch
 
     from deltasync.appliers.vllm_follower import VLLMFollower, checkpoint_specs
@@ -54,7 +60,7 @@ def test_grpo_under_accelerate_launch_zero3_reaches_the_server_exactly(tmp_path:
     ):
         launch = subprocess.run(
             [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-             str(ROOT / "examples" / "accelerate" / "zero3.yaml"), str(ROOT / "examples" / "grpo_delta_sync.py"),
+             str(ROOT / "examples" / "accelerate" / f"{config}.yaml"), str(ROOT / "examples" / "grpo_delta_sync.py"),
              "train", "--store", store, "--server", url, "--steps", "2", "--model", str(model_dir),
              "--output-dir", str(tmp_path / "out"), "--save-final", str(final)],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
@@ -63,7 +69,7 @@ def test_grpo_under_accelerate_launch_zero3_reaches_the_server_exactly(tmp_path:
         (tmp_path / "launch.log").write_text(output)
         assert launch.returncode == 0, output[-6000:]
         assert follower.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-        assert "2 process(es), DistributedType.DEEPSPEED" in output, output[-3000:]
+        assert LAUNCHES[config] in output, output[-3000:]
         reader = VLLMFollower(url, model=model_dir)
         _wait_for_last_version(reader, store)
         names = {s.name for s in checkpoint_specs(model_dir)}
