@@ -23,7 +23,8 @@ import pytest
 from deltasync.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+# Appended, not inserted: a benchmark script named like an installed package must never shadow it.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import fleet  # noqa: E402
 
 pytestmark = pytest.mark.slow
