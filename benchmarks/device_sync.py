@@ -12,7 +12,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | replica decode | ``decode`` of the delta (default codec) against the replica, on all threads and on one | zstd-decompressing the same delta's parts |
 | replica apply | ``TorchModuleApplier.apply`` | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
-| anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s | one ``copy_`` of all weights |
+| anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
 
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
@@ -91,6 +91,29 @@ class Model:
         return moved
 
 
+def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.device, **options: Any) -> dict[str, Any]:
+    """One anchor into a fresh local store and into a fresh replica: publish and load seconds, bytes, files."""
+    store = Path(tempfile.mkdtemp(prefix="anchor-", dir=root)) / "run"
+    replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
+    infos: list[Any] = []
+    try:
+        started = time.perf_counter()
+        with Publisher(masters, str(store), on_publish=infos.append, anchor_every=10**6, **options) as publisher:
+            publisher.publish(0, block=True)
+            publisher.flush()
+            publish_s = time.perf_counter() - started
+        started = time.perf_counter()
+        Subscriber(str(store), TorchModuleApplier(replica)).update()
+        sync(device)
+        load_s = time.perf_counter() - started
+        assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+                   for n, t in masters.items())
+        files = len(list((store / "anchors").iterdir()))
+    finally:
+        shutil.rmtree(store.parent, ignore_errors=True)
+    return {"publish": publish_s, "load": load_s, "bytes": infos[0].bytes, "files": files}
+
+
 def floor_diff(model: Model, snapshot: Snapshot) -> None:
     for name, master in model.masters.items():
         torch.ne(master.to(torch.bfloat16), snapshot[name]).nonzero()
@@ -122,10 +145,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
         flat_dst = torch.empty_like(flat_src)
         copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
-        rows["anchor publish"] = {"deltasync": anchor_publish, "floor": copy_all["median"],
-                                  "gb_per_s": anchor_bytes / anchor_publish / 1e9}
-        rows["anchor load"] = {"deltasync": anchor_load, "floor": copy_all["median"],
-                               "gb_per_s": anchor_bytes / anchor_load / 1e9}
+        # More anchors, each into a fresh store: in parts of the default size, and in one part (the alternative).
+        for label, options in (("", {}), (", one part", {"part_bytes": 1 << 62})):
+            rounds = [anchor_round(model.masters, root, device, **options) for _ in range(args.repeats)]
+            for stage in ("publish", "load"):
+                times = [r[stage] for r in rounds] + ([anchor_publish if stage == "publish" else anchor_load]
+                                                      if not label else [])
+                median = statistics.median(times)
+                rows[f"anchor {stage}{label}"] = {
+                    "deltasync": median, "floor": copy_all["median"], "gb_per_s": anchor_bytes / median / 1e9,
+                    "files": rounds[0]["files"],
+                    "spread": [{"median": median, "min": min(times), "max": max(times)}, copy_all],
+                }
 
         # One step's change set: diff, encode, decode, apply, each against its floor.
         snapshot = Snapshot.capture(model.masters)
@@ -245,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratio = row["deltasync"] / row["floor"] if row["floor"] else float("inf")
         extra = ""
         if "gb_per_s" in row:
-            extra = f"{row['gb_per_s']:.2f} GB/s"
+            extra = f"{row['gb_per_s']:.2f} GB/s, {row['files']} file(s)"
         elif "changes_per_s" in row:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])

@@ -21,7 +21,7 @@ __all__ = ["ANCHOR_EVERY", "ANCHOR_RATIO", "KEEP_ANCHORS", "PART_BYTES", "LEASE_
 ANCHOR_EVERY = 100  # versions; the public TRL prototype anchors every 10 syncs, adaptive anchors cover drift
 ANCHOR_RATIO = 1.0  # deltas since the last anchor may add up to one anchor: catch-up <= 2 anchors of bytes
 KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch-up is never stranded
-PART_BYTES = 256 << 20  # anchor part size: large enough for throughput, small enough to pipeline
+PART_BYTES = 64 << 20  # anchor part size: parts encode, hash, upload and verify in parallel (see device_sync.py)
 LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
 
 ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCLevel, ZSTD_maxCLevel)

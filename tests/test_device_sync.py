@@ -19,7 +19,8 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "device_sync_cpu.json").read_text())
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
-        "anchor publish", "anchor load", "diff", "decode", "decode, 1 thread", "apply", "whole update"
+        "anchor publish", "anchor load", "anchor publish, one part", "anchor load, one part",
+        "diff", "decode", "decode, 1 thread", "apply", "whole update",
     }
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
