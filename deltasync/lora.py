@@ -72,7 +72,8 @@ def publishable(
 
     Args:
         model: the trainer's model.
-        sharded (`bool`, *optional*): the parameters are sharded (FSDP, ZeRO-3): refused for PEFT models.
+        sharded (`bool`, *optional*): the parameters are sharded (FSDP, ZeRO-3): refused for PEFT models
+            (the TRL callback publishes a ZeRO-3 PEFT model inside a gather, where they are whole).
         options (`Mapping`, *optional*): the publisher's options; their ``dtype`` is the base names' dtype.
         lora (`str`, *optional*, defaults to ``"merged"``): ``"merged"`` publishes
             :class:`~deltasync.peft.MergedWeights` (base names only: any replica of the base model follows);
@@ -87,8 +88,9 @@ def publishable(
         return model
     if sharded:
         raise ConfigError(
-            "a PEFT model is published from its whole base weights; sharded parameters (FSDP, DeepSpeed "
-            "ZeRO-3) are not supported: train the LoRA model unsharded",
+            "a PEFT model is published from its whole base weights, and these are sharded parameters: under "
+            "DeepSpeed ZeRO-3 publish it through DeltaSyncCallback (every rank gathers around each publish); "
+            "under FSDP train the LoRA model with ZeRO-3, data parallel or unsharded",
             argument="model",
         )
     dtype = (options or {}).get("dtype", torch.bfloat16)
@@ -97,8 +99,9 @@ def publishable(
     return LoraWeights(model, mode=lora, dtype=dtype)
 
 
-def adapter_factors(model: Any) -> dict[str, torch.Tensor]:
-    """The active LoRA adapter's factors in PEFT's saved names, as the model's live parameters (no copies).
+def adapter_factors(model: Any) -> Mapping[str, torch.Tensor]:
+    """The active LoRA adapter's factors in PEFT's saved names, as the model's live parameters (no copies,
+    each read when it is asked for: under DeepSpeed ZeRO-3 a parameter's data is replaced at every gather).
 
     Raises:
         `ConfigError`: not exactly one active adapter, or an adapter with ``lora_bias``.
@@ -125,7 +128,24 @@ def adapter_factors(model: Any) -> dict[str, torch.Tensor]:
     unknown = [n for n in saved if n not in params]
     if unknown:
         raise ConfigError(f"adapter tensors {unknown[:3]} match no parameter of the model", argument="model")
-    return {n: params[n].detach() for n in saved}
+    return _LiveParameters({n: params[n] for n in saved})
+
+
+class _LiveParameters(Mapping[str, torch.Tensor]):
+    """Parameters by name, each detached when read: a tensor detached once would keep the storage its
+    parameter had then (under ZeRO-3, a gathered buffer that is later freed) instead of the live one."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self._params = params
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._params[name].detach()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
 
 
 class LoraWeights(Mapping[str, torch.Tensor]):

@@ -58,7 +58,8 @@ Limitations (refused with :class:`~deltasync.errors.ConfigError`, naming what):
   attention and dense layers of an MoE model is fine).
 - A layer whose adapter is merged into its weights at read time
   (``merge_adapter()`` not undone) raises ``RuntimeError``.
-- Sharded models (FSDP, DeepSpeed ZeRO-3): merging needs whole base weights.
+- Sharded models (FSDP, DeepSpeed ZeRO-3): merging needs whole base weights (the TRL callback
+  reads a ZeRO-3 model inside a gather around each publish, where they are whole).
 - Names are fixed when the mapping is made (add adapters to new layers before);
   active adapters and scaling are read on every pass.
 """

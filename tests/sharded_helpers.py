@@ -40,7 +40,8 @@ def _zero3_engine(model: torch.nn.Module, rank: int, stage: int = 3) -> tuple[An
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
     }
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, but a LoRA model's factors
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
     return engine, optimizer
 
 
@@ -60,6 +61,33 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         out[name.removeprefix("module.")] = tensor.detach().clone()
     return out
+
+
+def lora(model: torch.nn.Module) -> Any:
+    """``model`` with LoRA on both Linear layers (factors initialised non-zero: merging changes every weight)."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "3"],
+                                                      init_lora_weights=False))
+
+
+def merged_by_peft(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the merged weights of a LoRA model with parameters ``state`` are, by PEFT's own
+    ``merge_and_unload`` on a fresh unsharded copy: the reference for a ZeRO-3 LoRA run."""
+    model = lora(make_model(seed=0))
+    model.load_state_dict(state)
+    return {name: param.detach().clone() for name, param in model.merge_and_unload().named_parameters()}
+
+
+def adapter_form(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter form (base weights and the factors' own bits) of a LoRA model with parameters ``state``,
+    read on a fresh unsharded copy: the reference for a ZeRO-3 LoRA run published with ``lora="adapter"``."""
+    from deltasync.lora import LoraWeights
+
+    model = lora(make_model(seed=0))
+    model.load_state_dict(state)
+    form = LoraWeights(model, mode="adapter").forms()["adapter"]
+    return {name: tensor.detach().clone() for name, tensor in form.items()}
 
 
 def fsdp1_state(model: Any) -> dict[str, torch.Tensor]:
@@ -201,8 +229,8 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
-    elif mode == "zero3":
-        engine, _ = _zero3_engine(model, rank)
+    elif mode.startswith("zero3"):
+        engine, _ = _zero3_engine(lora(model) if mode.startswith("zero3-lora") else model, rank)
         model = engine.module  # what the HF Trainer hands its callbacks under DeepSpeed
     else:
         for layer in model:
@@ -210,7 +238,8 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
                 fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR) if engine is None else None
-    callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120)
+    callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120,
+                                 lora="adapter" if mode.endswith("adapter") else "merged")
     state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
     callback.on_train_begin(None, state, None, model=model)
     logs: dict[str, float] = {}
@@ -229,9 +258,12 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
         callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
         callback.on_log(None, state, None, logs=logs)
     callback.on_train_end(None, state, None)
-    state_dict = {"fsdp2": lambda: full_state(model), "zero3": lambda: full_state(engine)}.get(
-        mode, lambda: fsdp1_state(model)
-    )()
+    state_dict = {
+        "fsdp2": lambda: full_state(model), "zero3": lambda: full_state(engine),
+        "zero3-lora": lambda: merged_by_peft(full_state(engine)),
+        "zero3-lora-adapter": lambda: adapter_form(full_state(engine)),
+    }.get(mode, lambda: fsdp1_state(model))()
     if rank == 0:
-        torch.save({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, os.path.join(out, "final.pt"))
-        Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs}))
+        torch.save(state_dict, os.path.join(out, "final.pt"))  # the test casts to what the replica holds
+        history = [[i.version, i.step, i.kind, i.form] for i in callback.history]
+        Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs, "history": history}))

@@ -150,17 +150,28 @@ def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode",
-    ["fsdp2", "fsdp1", pytest.param("zero3", marks=pytest.mark.skipif(
-        importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"))],
+    ["fsdp2", "fsdp1", *[pytest.param(mode, marks=pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("peft") is None,
+        reason="deepspeed and peft are not installed")) for mode in ("zero3", "zero3-lora", "zero3-lora-adapter")]],
 )
 def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str, tmp_path: Path) -> None:
     """DeltaSyncCallback's hooks on 2 sharded ranks: FSDP2 and ZeRO-3 publish a shard per rank, FSDP1
-    gathers to rank 0 (every rank takes part); rank 0 waits for the replica; the replica ends bit-exact."""
+    and a LoRA model under ZeRO-3 gather (every rank takes part) and rank 0 publishes; rank 0 waits for
+    the replica; the replica ends bit-exact (a LoRA run: with PEFT's merge_and_unload of the final model,
+    or with the adapter's own bits when it publishes the adapter)."""
     url = str(tmp_path / "store")
-    replica = make_model(seed=1).to(torch.bfloat16)
+    replica = dict(make_model(seed=1).to(torch.bfloat16).named_parameters())
+    if mode == "zero3-lora-adapter":  # base weights in bf16 and the factors in their own dtype, as published
+        from deltasync.lora import LoraWeights
+        from tests.sharded_helpers import lora
+
+        weights = LoraWeights(lora(make_model(seed=1)), mode="adapter")
+        replica = {n: t.detach().clone().to(t.dtype if n in weights.own_dtype else torch.bfloat16)
+                   for n, t in weights.items()}
     stop = threading.Event()
     sub = Subscriber(
-        url, TorchModuleApplier(replica), replica_id="replica-0", poll_interval=0.01, max_poll_interval=0.05
+        url, TorchModuleApplier(replica, dtype=None), replica_id="replica-0", poll_interval=0.01,
+        max_poll_interval=0.05,
     )
     thread = threading.Thread(target=sub.run, args=(stop,), daemon=True)
     thread.start()
@@ -177,13 +188,17 @@ def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str,
         stop.set()
         thread.join(timeout=30)
         sub.close()
-    assert result["version"] == STEPS  # the anchor, then one version per step
+    assert result["version"] == STEPS, result  # the anchor, then one version per step
     assert result["logs"]["deltasync/bytes"] > 0 and "deltasync/sparsity" in result["logs"]
     final = torch.load(tmp_path / "final.pt")
-    for name, param in replica.named_parameters():
-        assert torch.equal(param.detach().view(torch.int16), final[name].view(torch.int16)), name
+    assert replica.keys() == final.keys()
+    for name, held in replica.items():
+        bits = torch.int16 if held.element_size() == 2 else torch.int32
+        assert torch.equal(held.view(bits), final[name].to(held.dtype).view(bits)), name
+    if mode == "zero3-lora-adapter":
+        assert result["logs"]["deltasync/adapter_form"] == 1.0
     manifest = Manifest.from_bytes(open_store(url).get("manifest.json"))
-    expected = {0, 1} if mode in ("fsdp2", "zero3") else {None}  # FSDP1: rank 0 publishes whole versions
+    expected = {0, 1} if mode in ("fsdp2", "zero3") else {None}  # gathered: rank 0 publishes whole versions
     assert all({r.rank for r in e.objects()} == expected for e in manifest.versions)
 
 

@@ -1,19 +1,24 @@
-"""What kind of distributed model a trainer hands over, and FSDP1's gathered view of it.
+"""What kind of distributed model a trainer hands over, and the gathered views of those published whole.
 
 The TRL callback publishes a model differently by how its parameters are laid
 out across ranks: FSDP2 and DeepSpeed ZeRO-3 shards are published where they
-lie (:class:`~deltasync.sharded.ShardedPublisher`), FSDP1 is gathered per
-version to rank 0, anything else is published whole by the main process.
+lie (:class:`~deltasync.sharded.ShardedPublisher`); FSDP1, and a PEFT model
+under ZeRO-3 (whose merged weights need whole LoRA factors and base rows), are
+gathered per version (:class:`Gathered`) and published by the main process;
+anything else is published whole by the main process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..sharded import is_zero3
 
-__all__ = ["NotGathered", "full_weights", "sharding_of", "unwrapped_names"]
+__all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "full_weights", "sharding_of", "unwrapped_names",
+           "zero3_gathered"]
 
 
 def sharding_of(model: Any) -> str | None:
@@ -42,14 +47,46 @@ def unwrapped_names(model: Any) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A model whose full weights every rank gathers around each publish (a collective); the main
+    process publishes ``weights()`` inside the gather, and only copies of them leave it."""
+
+    kind: str
+    """``"fsdp1"`` or ``"zero3"`` (a PEFT model under ZeRO-3)."""
+    gather: Callable[[], contextlib.AbstractContextManager[Any]]
+    """The collective that makes the full weights readable (on the main process at least)."""
+    weights: Callable[[], Mapping[str, Any]]
+    """What the main process publishes, read inside the gather."""
+
+
+def fsdp1_gathered(model: Any) -> Gathered:
+    """FSDP1: every rank gathers to rank 0, which publishes the parameters under their checkpoint names."""
+    return Gathered("fsdp1", lambda: full_weights(model), lambda: unwrapped_names(model))
+
+
+def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gathered:
+    """DeepSpeed ZeRO-3 with a PEFT model: every rank gathers every parameter (ZeRO-3 has no gather to one
+    rank; TRL's own vLLM sync of such a model gathers the same), and the main process publishes ``weights()``
+    (the merged weights or the adapter, :func:`deltasync.lora.publishable`) inside."""
+
+    def gather() -> contextlib.AbstractContextManager[Any]:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+    return Gathered("zero3", gather, weights)
+
+
 class NotGathered(Mapping[str, Any]):
-    """Stands in for FSDP1's full parameters outside the gather: reading them is a bug, said loudly
-    (the freed shards could otherwise be read as garbage weights)."""
+    """Stands in for a gathered model's full parameters outside the gather: reading them is a bug, said
+    loudly (the freed shards could otherwise be read as garbage weights)."""
 
     def _refuse(self) -> NoReturn:
         raise RuntimeError(
-            "FSDP1's full parameters exist only inside summon_full_params; a publish outside it "
-            "would read freed shards. Publish through DeltaSyncCallback's hooks on every rank."
+            "the full parameters of an FSDP1 or ZeRO-3 PEFT model exist only inside the gather around a "
+            "publish; a publish outside it would read freed shards. Publish through DeltaSyncCallback's "
+            "hooks on every rank."
         )
 
     def __getitem__(self, name: str) -> Any:

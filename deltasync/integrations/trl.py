@@ -44,8 +44,8 @@ Distributed training:
   version through :class:`~deltasync.sharded.ShardedPublisher`, with no gather
   of the full model; rank 0 commits the manifest and waits for replicas. The
   hooks run on every rank in lockstep, as the publisher's collectives need.
-  Tested with real FSDP2 on 2 gloo ranks driving these hooks; a full
-  ``accelerate launch`` of a Trainer with FSDP2 has not been run here (CPU only).
+  Tested with real FSDP2 on 2 gloo ranks driving these hooks, and through a
+  GRPO run under ``accelerate launch`` (``tests/test_accelerate.py``).
 - FSDP1: around each publish every rank takes part in gathering the full
   parameters (``summon_full_params``, to rank 0's CPU memory), and the main
   process diffs and publishes them; only copies outlive the gather. Costs one
@@ -61,11 +61,15 @@ Distributed training:
 - PEFT LoRA models publish their merged weights in the base checkpoint's names
   (:mod:`deltasync.peft`), computed without writing the trainer's, or with
   ``lora="auto"`` / ``"adapter"`` the adapter itself when that is smaller
-  (:mod:`deltasync.lora`); not when sharded.
+  (:mod:`deltasync.lora`). Under DeepSpeed ZeRO-3 such a model is gathered
+  as under FSDP1 (merging needs whole factors and base rows; every rank holds
+  the full weights during the gather, as in TRL's own sync of such a model),
+  and the main process publishes. Not under FSDP (refused with ``ConfigError``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -79,12 +83,13 @@ from typing import Any, Literal
 from ..resume import last_committed
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
+from ..peft import is_peft_model
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
 from ..publisher import Publisher, PublishInfo
 from ..stores import Store
 from ..subscriber import read_acks
-from .distributed import NotGathered, full_weights, sharding_of, unwrapped_names
+from .distributed import Gathered, NotGathered, fsdp1_gathered, sharding_of, zero3_gathered
 
 transformers = require("transformers", "trl")
 
@@ -169,7 +174,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         self._unlogged: list[PublishInfo] = []
         self._waited_s, self._waits, self._replica_version = 0.0, 0, None
         self._run_id: str | None = None
-        self._fsdp1: Any = None  # the FSDP1-wrapped model, whose weights every rank gathers to publish
+        self._gathered: Gathered | None = None  # FSDP1, or PEFT under ZeRO-3: every rank gathers to publish
 
     # ------------------------------------------------------------------ wiring
 
@@ -198,19 +203,28 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = sharding_of(model)
-        weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
-        self.serves_adapter = isinstance(weights, LoraWeights)
-        if kind in ("fsdp2", "zero3"):  # every rank publishes its shard (collectives: all ranks take part)
-            if self.publisher is None:
-                from ..sharded import ShardedPublisher
-
-                self.publisher = ShardedPublisher(model, self.store, on_publish=self._collect, **self.publisher_options)
+        if kind == "zero3" and is_peft_model(model):
+            # Merged weights need whole LoRA factors and whole base rows: every rank gathers around each
+            # publish and the main process publishes; what it publishes is built inside the first gather.
+            self.serves_adapter = self.lora != "merged"
+            self._gathered = zero3_gathered(model, functools.cache(
+                lambda: publishable(model, options=self.publisher_options, lora=self.lora)))
         elif kind == "fsdp1":  # every rank takes part in each gather; the main process publishes
-            self._fsdp1 = model  # the publisher is made inside the first gather (it reads the full shapes)
-        elif not state.is_world_process_zero:
-            return  # one writer per run prefix: the world's main process
-        elif self.publisher is None:
-            self.publisher = Publisher(weights, self.store, on_publish=self._collect, **self.publisher_options)
+            self._gathered = fsdp1_gathered(model)  # the publisher is made inside the first gather (full shapes)
+        else:
+            weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
+            self.serves_adapter = isinstance(weights, LoraWeights)
+            if kind is not None:  # FSDP2, ZeRO-3: every rank publishes its shard (collectives: all take part)
+                if self.publisher is None:
+                    from ..sharded import ShardedPublisher
+
+                    self.publisher = ShardedPublisher(
+                        model, self.store, on_publish=self._collect, **self.publisher_options
+                    )
+            elif not state.is_world_process_zero:
+                return  # one writer per run prefix: the world's main process
+            elif self.publisher is None:
+                self.publisher = Publisher(weights, self.store, on_publish=self._collect, **self.publisher_options)
         if state.global_step and self.publisher is not None and state.is_world_process_zero:
             self._note_resume(state.global_step)
         self._publish(state.global_step)  # the anchor every replica can start from
@@ -251,7 +265,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         try:
             # The final weights, whatever ``every`` is; under FSDP1 always (a coalesced publish could
             # not be redone by close(): the gathered weights are gone by then).
-            if self._published_step != state.global_step or self._fsdp1 is not None:
+            if self._published_step != state.global_step or self._gathered is not None:
                 self._publish(state.global_step, block=True)
             if self.publisher is not None:
                 self.publisher.close()  # flush: raises what failed in the background
@@ -390,18 +404,18 @@ class DeltaSyncCallback(transformers.TrainerCallback):
     @property
     def _publishing(self) -> bool:
         """Whether this process takes part in publishing (the writer, a shard owner, or an FSDP1 rank)."""
-        return self.publisher is not None or self._fsdp1 is not None
+        return self.publisher is not None or self._gathered is not None
 
     def _publish(self, step: int, *, block: bool = False) -> None:
         """Publish (coalesced if the previous upload still runs: flush() covers it); under FSDP1 every
         rank gathers the full weights first and the main process diffs them."""
-        if self._fsdp1 is None:
+        if self._gathered is None:
             assert self.publisher is not None
             self.publisher.publish(step, block=block)
         else:
-            with full_weights(self._fsdp1):
+            with self._gathered.gather():
                 if self._state.is_world_process_zero:
-                    full = unwrapped_names(self._fsdp1)
+                    full = self._gathered.weights()
                     if self.publisher is None:
                         self.publisher = Publisher(full, self.store, on_publish=self._collect, **self.publisher_options)
                     self.publisher.model = full
@@ -417,7 +431,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
     def _release(self) -> None:
         """Drop what ties this callback to the model and the publisher to this callback, so both can
         be freed (and a sharded model's process groups destroyed) before the interpreter exits."""
-        self._fsdp1 = None
+        self._gathered = None
         if self.publisher is not None:
             self.publisher.on_publish = None  # the publisher stays readable: version, stats
             self.publisher.model = {}
