@@ -251,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     callback = DeltaSyncCallback(args.store, sync=args.sync, max_staleness=args.max_staleness)
     trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps)
     if trainer.accelerator.is_main_process:
+        print(f"training with {trainer.accelerator.num_processes} process(es), "
+              f"{trainer.accelerator.distributed_type}", flush=True)
+    trainer.train()
+    if trainer.accelerator.is_main_process:  # (DeepSpeed partitions the parameters when training starts)
         from deltasync.integrations.distributed import sharding_of
 
-        print(f"training with {trainer.accelerator.num_processes} process(es), "
-              f"{trainer.accelerator.distributed_type}, parameters {sharding_of(trainer.model) or 'whole'}", flush=True)
-    trainer.train()
+        print(f"trained {sharding_of(trainer.model) or 'whole'} parameters", flush=True)
     if args.save_final:
         save_final(trainer, args.save_final)
     for info in callback.history:
