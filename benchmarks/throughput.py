@@ -18,7 +18,8 @@ tensors (what any in-place apply must at least write).
 The synthetic model is Llama-shaped (per layer: q, k, v, o of ``h x h``, gate,
 up, down of ``h x 8h/3``, two norms); a changed element moves by one bf16 step
 up or down, like most real RL updates. Each time is the median of several
-rounds, the stages taken in turns. Keeps three model copies alive at most
+rounds (9 up to 100M parameters, 5 above), the stages taken in turns, with the
+fastest and slowest round beside it (``t_min``, ``t_max``). Keeps three model copies alive at most
 (published snapshot, live weights, replica): 6 GB at 1B parameters.
 
 Writes ``benchmarks/results/throughput.json`` with per-point times, elements
@@ -147,6 +148,7 @@ def measure(size: str, published: dict[str, torch.Tensor], live: dict[str, torch
     med = {k: median(v) for k, v in times.items()}
     return {"size": size, "numel": numel, "tensors": len(published), "density": density, "nnz": nnz,
             "exact": exact, "bytes": sizes, "t": med, "t_min": {k: min(v) for k, v in times.items()},
+            "t_max": {k: max(v) for k, v in times.items()},
             "rounds": rounds, **_rates(med, numel, nnz)}
 
 
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json("throughput", summarize(rows, args.quick, partial=True), folder)
 
     t_total, _ = timed(lambda: [
-        run_size(size, densities, 2 if args.quick else (3 if HIDDEN[size] >= 1536 else 5), done) for size in sizes
+        run_size(size, densities, 2 if args.quick else (5 if HIDDEN[size] >= 1536 else 9), done) for size in sizes
     ])
     result = summarize(rows, args.quick, partial=False)
     result.update(table=report(rows), t_total_s=round(t_total, 1))

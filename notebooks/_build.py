@@ -301,7 +301,9 @@ print(interval_sweep["table"])'''),
 Synthetic Llama-shaped bf16 models; a changed element moves one bf16 step. *Publish* is the diff against the
 snapshot plus `encode_delta` (compact codec); *apply* is what a replica does with the file: header, validation,
 decode with the base lookup, and the in-place `index_copy_` into its tensors. Dashed lines are the bare memory
-passes measured in the same run: `torch.ne` over every weight and `index_copy_` of the changed elements."""),
+passes measured in the same run: `torch.ne` over every weight and `index_copy_` of the changed elements. Points are
+medians of 9 rounds (5 from 300M parameters up); the bars reach from the fastest to the slowest round, which shows
+how much of a difference between two points is the shared machine's noise."""),
     ("code", '''\
 rows = throughput["rows"]
 densities = throughput["densities"]
@@ -312,7 +314,9 @@ for ax, d in zip(np.atleast_1d(axes), densities):
     for key, label, style in (("diff", "diff", "-o"), ("encode_compact", "encode (compact)", "-o"),
                               ("decode_compact", "header+validate+decode", "-o"), ("apply", "apply in place", "-o"),
                               ("ne", "bare torch.ne", "--"), ("index_copy", "bare index_copy_", "--")):
-        ax.plot(n, [r["t"][key] for r in at], style, ms=4, label=label)
+        med = np.array([r["t"][key] for r in at])
+        low, high = np.array([r["t_min"][key] for r in at]), np.array([r["t_max"][key] for r in at])
+        ax.errorbar(n, med, yerr=[med - low, high - med], fmt=style, ms=4, capsize=2, lw=1, label=label)
     ax.set(xscale="log", yscale="log", xlabel="parameters", title=f"{100 * d:g} % of elements changed")
 np.atleast_1d(axes)[0].set_ylabel("seconds (median)")
 np.atleast_1d(axes)[-1].legend(fontsize=7)
