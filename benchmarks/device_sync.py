@@ -128,32 +128,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=shm if shm.is_dir() else None))
     rows: dict[str, dict[str, Any]] = {}
     try:
-        # Anchor publish and load (first version), against one copy_ of all weights.
+        # The run the later stages use: its first version (an anchor) and a replica that holds it.
         replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in model.masters.items()}
-        infos: list[Any] = []
-        started = time.perf_counter()
-        publisher = Publisher(model.masters, str(root / "run"), on_publish=infos.append, anchor_every=10**6)
+        publisher = Publisher(model.masters, str(root / "run"), anchor_every=10**6)
         publisher.publish(0, block=True)
         publisher.flush()
-        anchor_publish = time.perf_counter() - started
-        anchor_bytes = infos[0].bytes
         subscriber = Subscriber(str(root / "run"), TorchModuleApplier(replica))
-        started = time.perf_counter()
         subscriber.update()
-        sync(device)
-        anchor_load = time.perf_counter() - started
         flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
         flat_dst = torch.empty_like(flat_src)
         copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
-        # More anchors, each into a fresh store: in parts of the default size, and in one part (the alternative).
+        # Anchor publish and load against one copy_ of all weights, each round into a fresh store:
+        # in parts of the default size, and in one part (the alternative).
         for label, options in (("", {}), (", one part", {"part_bytes": 1 << 62})):
             rounds = [anchor_round(model.masters, root, device, **options) for _ in range(args.repeats)]
+            nbytes = rounds[0]["bytes"]
+            if not label:
+                anchor_bytes = nbytes  # the default layout's, reported below
             for stage in ("publish", "load"):
-                times = [r[stage] for r in rounds] + ([anchor_publish if stage == "publish" else anchor_load]
-                                                      if not label else [])
+                times = [r[stage] for r in rounds]
                 median = statistics.median(times)
                 rows[f"anchor {stage}{label}"] = {
-                    "deltasync": median, "floor": copy_all["median"], "gb_per_s": anchor_bytes / median / 1e9,
+                    "deltasync": median, "floor": copy_all["median"], "gb_per_s": nbytes / median / 1e9,
                     "files": rounds[0]["files"],
                     "spread": [{"median": median, "min": min(times), "max": max(times)}, copy_all],
                 }

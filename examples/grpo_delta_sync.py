@@ -204,17 +204,18 @@ def save_final(trainer: Any, path: str | Path) -> None:
 
     params = dict(trainer.model.named_parameters())
     main = trainer.accelerator.is_main_process
-    # A LoRA run's weights are its merged weights, under the base checkpoint's names.
-    readable = (lambda: MergedWeights(trainer.model)) if is_peft_model(trainer.model) else (lambda: params)
+    lora = is_peft_model(trainer.model)  # a LoRA run's weights are its merged weights, under the base's names
     if any(hasattr(p, "ds_tensor") for p in params.values()):  # ZeRO-3: every rank takes part in the gather
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(params.values())):
-            state = {n: p.detach().to(torch.bfloat16).clone() for n, p in readable().items()} if main else {}
+            if main:
+                readable = MergedWeights(trainer.model) if lora else params
+                state = {n: p.detach().to(torch.bfloat16).clone() for n, p in readable.items()}
     elif any(hasattr(p, "full_tensor") for p in params.values()):  # FSDP2: every rank gathers each DTensor
         state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in params.items()}
-    elif is_peft_model(trainer.model):
-        state = dict(readable().items())
+    elif lora:
+        state = dict(MergedWeights(trainer.model).items())
     else:
         state = trainer.accelerator.get_state_dict(trainer.model)
     if main:

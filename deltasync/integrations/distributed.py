@@ -52,8 +52,6 @@ class Gathered:
     """A model whose full weights every rank gathers around each publish (a collective); the main
     process publishes ``weights()`` inside the gather, and only copies of them leave it."""
 
-    kind: str
-    """``"fsdp1"`` or ``"zero3"`` (a PEFT model under ZeRO-3)."""
     gather: Callable[[], contextlib.AbstractContextManager[Any]]
     """The collective that makes the full weights readable (on the main process at least)."""
     weights: Callable[[], Mapping[str, Any]]
@@ -62,7 +60,7 @@ class Gathered:
 
 def fsdp1_gathered(model: Any) -> Gathered:
     """FSDP1: every rank gathers to rank 0, which publishes the parameters under their checkpoint names."""
-    return Gathered("fsdp1", lambda: full_weights(model), lambda: unwrapped_names(model))
+    return Gathered(lambda: full_weights(model), lambda: unwrapped_names(model))
 
 
 def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gathered:
@@ -75,7 +73,7 @@ def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gath
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
-    return Gathered("zero3", gather, weights)
+    return Gathered(gather, weights)
 
 
 class NotGathered(Mapping[str, Any]):

@@ -263,7 +263,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if not self._publishing:
             return
         try:
-            # The final weights, whatever ``every`` is; under FSDP1 always (a coalesced publish could
+            # The final weights, whatever ``every`` is; for a gathered model always (a coalesced publish could
             # not be redone by close(): the gathered weights are gone by then).
             if self._published_step != state.global_step or self._gathered is not None:
                 self._publish(state.global_step, block=True)
@@ -298,7 +298,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             if self._published_step != step:
                 self._publish(step, block=True)
             if self.publisher is None:
-                return None  # an FSDP1 rank: it took part in the gather
+                return None  # a rank of a gathered model: it took part in the gather
             self.publisher.flush()  # commits a coalesced publish too: the newest weights are a version now
             if not self._state.is_world_process_zero:
                 return None  # a sharded rank: its shard is in; the main process waits for replicas
@@ -403,12 +403,12 @@ class DeltaSyncCallback(transformers.TrainerCallback):
 
     @property
     def _publishing(self) -> bool:
-        """Whether this process takes part in publishing (the writer, a shard owner, or an FSDP1 rank)."""
+        """Whether this process takes part in publishing (the writer, a shard owner, or a gathering rank)."""
         return self.publisher is not None or self._gathered is not None
 
     def _publish(self, step: int, *, block: bool = False) -> None:
-        """Publish (coalesced if the previous upload still runs: flush() covers it); under FSDP1 every
-        rank gathers the full weights first and the main process diffs them."""
+        """Publish (coalesced if the previous upload still runs: flush() covers it); for a gathered model
+        (FSDP1, PEFT under ZeRO-3) every rank gathers the full weights first and the main process diffs them."""
         if self._gathered is None:
             assert self.publisher is not None
             self.publisher.publish(step, block=block)
