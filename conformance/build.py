@@ -219,7 +219,20 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "dtypes-f16-f32-compact": dtypes_case,
         "anchors-multipart-retired": multipart_retired_case,
         "sharded-2-ranks": sharded,
+        "format-2-blake3": format_2_case,
     }
+
+
+FORMAT_1 = (  # written by format 1 writers (SHA-256 digests), kept as they are: what was written stays readable
+    "shapes-bf16-compact", "shapes-bf16-compact-abs", "shapes-bf16-compact-exp", "shapes-bf16-raw",
+    "dtypes-f16-f32-compact", "anchors-multipart-retired", "sharded-2-ranks",
+)
+
+
+def format_2_case(root: Path) -> None:
+    """Format 2: BLAKE3 digests for objects, headers and entries; anchors in two parts."""
+    weights = shapes_model()
+    write_case(root, weights, run(root, weights, shapes_steps(weights), anchor_every=1000, part_bytes=64 << 10))
 
 
 # ---------------------------------------------------------------------------------------------- sharded
@@ -274,6 +287,13 @@ def _file(header_text: str, body: bytes) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded + body
 
 
+def _hasher(algorithm: str, data: bytes = b"") -> Any:
+    """A hash of the digest ``algorithm`` a file or reference names (format 1: sha256; 2: blake3)."""
+    import blake3
+
+    return hashlib.sha256(data) if algorithm == "sha256" else blake3.blake3(data)
+
+
 def _entry_range(data: bytes, key: str) -> tuple[int, int]:
     header, _ = _header(data)
     length = struct.unpack("<Q", data[:8])[0]
@@ -282,41 +302,47 @@ def _entry_range(data: bytes, key: str) -> tuple[int, int]:
 
 
 def _rehash(store: Path, key: str, *, size: int | None = None) -> None:
-    """Make the manifest's reference to ``key`` match the object as it now is (size and sha256)."""
+    """Make the manifest's reference to ``key`` match the object as it now is (size and digest, in the
+    reference's own algorithm)."""
     data = (store / key).read_bytes()
     manifest = json.loads((store / "manifest.json").read_text())
     for entry in manifest["versions"]:
         for ref in entry.get("delta", []) + entry.get("anchor", []):
             if ref["key"] == key:
                 ref["size"] = len(data) if size is None else size
-                ref["sha256"] = hashlib.sha256(data).hexdigest()
+                algorithm = "sha256" if "sha256" in ref else "blake3"
+                ref[algorithm] = _hasher(algorithm, data).hexdigest()
                 ref.pop("header", None)  # a header reference would describe the old bytes
     (store / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
 
 
 def _set_entry_digest(data: bytes, tensor: str) -> bytes:
-    """Recompute one tensor's entry sha256 in the header after its entries were edited."""
+    """Recompute one tensor's entry digest in the header after its entries were edited."""
     header, body = _header(data)
     tensors = json.loads(header["__metadata__"]["tensors"])
     keys = sorted(k for k in header if k != "__metadata__" and k.rsplit("::", 1)[0] == tensor)
-    h = hashlib.sha256()
+    algorithm = "sha256" if "sha256" in tensors[tensor] else "blake3"
+    h = _hasher(algorithm)
     for key in keys:
         start, stop = header[key]["data_offsets"]
         h.update(body[start:stop])
-    old, new = tensors[tensor]["sha256"], h.hexdigest()
+    old, new = tensors[tensor][algorithm], h.hexdigest()
     length = struct.unpack("<Q", data[:8])[0]
     text = data[8 : 8 + length].decode().replace(old, new)
     return _file(text, body)
 
 
-def broken(out: Path, source: Path) -> None:
-    """Copies of a golden store with one fault each, in version 2's delta."""
+def broken(out: Path, source: Path, suffix: str = "", only: tuple[str, ...] | None = None) -> None:
+    """Copies of a golden store with one fault each, in version 2's delta; ``only`` these faults, named
+    with ``suffix``."""
     manifest = json.loads((source / "store" / "manifest.json").read_text())
     key = next(v["delta"][0]["key"] for v in manifest["versions"] if v["version"] == 2)
     case = json.loads((source / "case.json").read_text())
 
     def make(name: str, error: str, why: str, fault: Callable[[Path], None]) -> None:
-        root = out / name
+        if only is not None and name not in only:
+            return
+        root = out / f"{name}{suffix}"
         shutil.copytree(source / "store", root / "store")
         fault(root / "store")
         versions = {v: d for v, d in case["versions"].items() if int(v) < 2}
@@ -388,7 +414,8 @@ def broken(out: Path, source: Path) -> None:
         (store / key).write_bytes(_file(text, body))
         _rehash(store, key)
 
-    make("flipped-byte", "IntegrityError", "one byte of the object differs from the manifest's sha256", flip)
+    algorithm = "sha256" if "sha256" in manifest["versions"][0]["anchor"][0] else "blake3"
+    make("flipped-byte", "IntegrityError", f"one byte of the object differs from the manifest's {algorithm}", flip)
     make("truncated", "IntegrityError", "the object is shorter than the manifest's size", truncate)
     make("wrong-size", "IntegrityError", "the manifest declares a size the object does not have", wrong_size)
     make("corrupt-zstd", "CodecError", "a zstd frame is damaged; every hash matches the damaged bytes", corrupt_zstd)
@@ -399,20 +426,30 @@ def broken(out: Path, source: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Rebuild the whole suite, or only the golden cases named in ``argv`` (new cases beside the kept ones)."""
+    """Rebuild the golden cases named in ``argv``, or all that current writers produce, and their broken copies.
+
+    The format 1 cases (:data:`FORMAT_1`) and the broken copies of ``shapes-bf16-compact`` were written by
+    format 1 writers and stay as they are: they prove that what was once written stays readable.
+    """
     os.environ.setdefault("DELTASYNC_THREADS", "1")
     cases = golden_cases()
     unknown = set(argv) - set(cases)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; golden cases: {sorted(cases)}")
-    for name in argv or cases:
+    frozen = set(argv) & set(FORMAT_1)
+    if frozen:
+        raise SystemExit(f"{sorted(frozen)} were written by format 1 writers and are kept as they are")
+    names = argv or [name for name in cases if name not in FORMAT_1]
+    for name in names:
         shutil.rmtree(ROOT / "golden" / name, ignore_errors=True)
         cases[name](ROOT / "golden" / name)
-    if not argv:
-        shutil.rmtree(ROOT / "broken", ignore_errors=True)
-        broken(ROOT / "broken", ROOT / "golden" / "shapes-bf16-compact")
+    if "format-2-blake3" in names:
+        only = ("flipped-byte", "forged-value")
+        for name in only:
+            shutil.rmtree(ROOT / "broken" / f"{name}-blake3", ignore_errors=True)
+        broken(ROOT / "broken", ROOT / "golden" / "format-2-blake3", suffix="-blake3", only=only)
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
-    print(f"wrote {', '.join(argv) or 'the whole suite'} under {ROOT} ({total / 1e6:.1f} MB in all)")
+    print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 
 
 if __name__ == "__main__":

@@ -53,9 +53,9 @@ def cases(root: Path = ROOT) -> list[Path]:
 
 def _read(store: Path, ref: ObjectRef) -> bytes:
     data = (store / ref.key).read_bytes() if (store / ref.key).is_file() else b""
-    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+    if not ref.verify(data):
         raise IntegrityError(
-            f"{ref.key}: {len(data)} bytes whose sha256 differs from the manifest's ({ref.size} bytes)"
+            f"{ref.key}: {len(data)} bytes whose {ref.algorithm} differs from the manifest's ({ref.size} bytes)"
         )
     return data
 

@@ -422,11 +422,11 @@ class CachedStore(DelegatingStore):
 
 
 def _verify(ref: ObjectRef, data: bytes, *, where: str) -> None:
-    """Raise :class:`IntegrityError` unless ``data`` has the manifest's size and SHA-256."""
-    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+    """Raise :class:`IntegrityError` unless ``data`` has the manifest's size and digest."""
+    if not ref.verify(data):
         raise IntegrityError(
             f"{where}: {len(data)} bytes that do not match the manifest "
-            f"({ref.size} bytes, sha256 {ref.sha256[:12]}...)",
+            f"({ref.size} bytes, {ref.algorithm} {ref.digest[:12]}...)",
             key=ref.key,
         )
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from .errors import ConflictError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, PreconditionFailed, StoreError
@@ -40,7 +40,6 @@ from .manifest import (
     deletable,
     new_manifest,
     plan_retention,
-    replace_manifest,
 )
 from .retired import RetiredLog, named_keys
 
@@ -137,7 +136,7 @@ class ManifestWriter:
         data, info = got
         current = Manifest.from_bytes(data)
         self._refuse_foreign(current, fingerprint, now)
-        self.manifest = replace_manifest(current, writer=self.writer)
+        self.manifest = replace(current, writer=self.writer)
         self.etag = info.etag
         grace = ORPHAN_GRACE_S
         if current.writer != self.writer and self.store.conditional_writes:
@@ -224,7 +223,7 @@ class ManifestWriter:
             VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
             for e in self.manifest.versions
         )
-        self.commit(replace_manifest(self.manifest, versions=versions), refs)
+        self.commit(replace(self.manifest, versions=versions), refs)
 
     def commit(self, manifest: Manifest, uploaded: tuple[ObjectRef, ...] = ()) -> None:
         """Write ``manifest``; if it surely did not land, delete the objects ``uploaded`` for it.
@@ -266,7 +265,7 @@ class ManifestWriter:
         # Dropped objects are listed beside the manifest (retired.json) before it stops naming them.
         due = self._retired.before_commit(retained.retired, now=now, grace=self.retire_grace_s)
         lease = self.lease_s if lease_s is None else lease_s
-        retained = replace_manifest(retained, retired=(), updated=now, lease_until=now + lease)
+        retained = replace(retained, retired=(), updated=now, lease_until=now + lease)
         for _ in range(WRITE_ATTEMPTS):
             try:
                 info = self._put(retained)
@@ -349,7 +348,7 @@ class ManifestWriter:
         # Only retired keys may differ (gc deleted some): keep ours minus what is already gone.
         gone = {k for k, _ in (self.manifest.retired if self.manifest else ())} - {k for k, _ in theirs.retired}
         self.etag = info.etag
-        return replace_manifest(ours, retired=tuple((k, t) for k, t in ours.retired if k not in gone))
+        return replace(ours, retired=tuple((k, t) for k, t in ours.retired if k not in gone))
 
     def _check_owner_best_effort(self, *, after_write: bool = False) -> None:
         """Without conditional writes: refuse to write over, or to keep, another writer's manifest.
@@ -398,7 +397,7 @@ def plan_retired_cleanup(manifest: Manifest, *, now: float, grace: float, compar
     """
     due, remaining = deletable(manifest, now=now, grace=grace)
     blocked = cleanup_blocked(manifest, now=now, compare_and_swap=compare_and_swap)
-    return RetiredCleanup(tuple(due), replace_manifest(remaining, updated=now), blocked)
+    return RetiredCleanup(tuple(due), replace(remaining, updated=now), blocked)
 
 
 def cleanup_blocked(manifest: Manifest, *, now: float, compare_and_swap: bool) -> Literal["no-cas", "lease"] | None:

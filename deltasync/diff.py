@@ -16,19 +16,21 @@ whole (``dense``), which also bounds the size of the index arrays.
 Speed: the comparison reads both sides as int64 words (4 bf16 elements per
 compare), so the one full pass over the weights is about twice as fast as a
 bare ``torch.ne`` over elements; only the few words that differ are expanded
-to elements, with numpy on the CPU (cheaper per call than torch) and torch on
-other devices. What remains is bounded by memory: the fp32 -> bf16 cast of fp32
+to elements, with numpy (cheaper per call than torch). A snapshot off the CPU
+takes :mod:`deltasync.device_diff` instead: the same bits, with two host waits
+per version in place of a few per chunk. What remains is bounded by memory: the fp32 -> bf16 cast of fp32
 masters and the gather of the changed words after the compare.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .device_diff import changes_on_device
 from .errors import TensorMismatch
 from .tensors import TensorSpec, bits_view, published_dtype, published_tensors
 
@@ -49,10 +51,6 @@ _TWO_LEVEL_MIN = 1 << 12
 # Integer dtypes of the bit patterns, by width in bytes.
 _NUMPY_BITS = {2: np.dtype(np.int16), 4: np.dtype(np.int32)}
 _TORCH_BITS = {2: torch.int16, 4: torch.int32}
-# (words_new, words_old, mask, elements per word, index offset) -> indices, new and old bits.
-_Expand = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +184,7 @@ def diff(
     *,
     chunk: int = DEFAULT_CHUNK,
     dense_fraction: float = DENSE_FRACTION,
+    on_device: bool = False,
 ) -> ChangeSet:
     """Find every element whose published bit pattern differs from the snapshot.
 
@@ -196,6 +195,10 @@ def diff(
         chunk (`int`, *optional*): elements compared per step.
         dense_fraction (`float`, *optional*): changed fraction above which a tensor
             is captured whole.
+        on_device (`bool`, *optional*): find the changes with
+            :func:`~deltasync.device_diff.changes_on_device` (two host waits per call
+            instead of a few per chunk) also when the snapshot is on the CPU; it always
+            does when any snapshot tensor is elsewhere. The same bits either way.
 
     Returns:
         `ChangeSet`: the changes, indices and values on the CPU.
@@ -215,6 +218,17 @@ def diff(
             missing=missing,
             extra=extra,
         )
+    for spec in snapshot.specs:
+        _check_shape(spec, live[spec.name])
+    if on_device or any(t.device.type != "cpu" for _, t in snapshot.items()):
+        published = [snapshot[s.name] for s in snapshot.specs]
+        found = changes_on_device(snapshot.specs, published, [live[s.name] for s in snapshot.specs],
+                                  chunk=chunk, dense_fraction=dense_fraction)
+        return ChangeSet(tuple(
+            TensorChange(snapshot.specs[c.index], c.indices, c.values, c.base, c.nnz,
+                         _bits(published[c.index]).view(-1))
+            for c in found
+        ), snapshot.specs)
     scratch = _Scratch(chunk)
     changes = []
     for spec in snapshot.specs:
@@ -262,11 +276,6 @@ def _diff_tensor(
     scratch: _Scratch,
     dense_fraction: float,
 ) -> TensorChange | None:
-    if tuple(live.shape) != spec.shape:
-        raise TensorMismatch(
-            f"{spec.name}: shape {tuple(live.shape)} differs from the published {spec.shape}",
-            name=spec.name,
-        )
     flat = live.detach().reshape(-1)
     old_bits = _bits(published).view(-1)
     found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -295,6 +304,14 @@ def _diff_tensor(
         return TensorChange(spec, None, values, None, nnz, old_bits)
     idx, new_values, old_values = (torch.from_numpy(_concat(parts)) for parts in zip(*found))
     return TensorChange(spec, idx, new_values, old_values, nnz, old_bits)
+
+
+def _check_shape(spec: TensorSpec, live: torch.Tensor) -> None:
+    if tuple(live.shape) != spec.shape:
+        raise TensorMismatch(
+            f"{spec.name}: shape {tuple(live.shape)} differs from the published {spec.shape}",
+            name=spec.name,
+        )
 
 
 def _concat(parts: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -343,26 +360,25 @@ def _changed(
     size = new.numel()
     per = _WORD_BYTES // new.element_size()
     head = size - size % per if _word_aligned(new) and _word_aligned(old) else 0
-    expand = _expand_numpy if new.device.type == "cpu" else _expand_torch
     if head == size:  # the common case, without slicing (~1 us per torch view)
-        return _changed_words(new, old, scratch, expand, per, offset)
-    parts = [_changed_words(new[:head], old[:head], scratch, expand, per, offset)] if head else []
+        return _changed_words(new, old, scratch, per, offset)
+    parts = [_changed_words(new[:head], old[:head], scratch, per, offset)] if head else []
     tail_new, tail_old = new[head:], old[head:]
-    parts.append(expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
+    parts.append(_expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
     idx, new_values, old_values = (_concat(p) for p in zip(*parts))
     return idx, new_values, old_values
 
 
 def _changed_words(
-    new: torch.Tensor, old: torch.Tensor, scratch: _Scratch, expand: _Expand, per: int, offset: int
+    new: torch.Tensor, old: torch.Tensor, scratch: _Scratch, per: int, offset: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_changed` over whole int64 words of ``per`` elements each."""
     words_new, words_old = new.view(torch.int64), old.view(torch.int64)
     mask = torch.ne(words_new, words_old, out=scratch.mask(words_new.numel(), new.device))
-    return expand(words_new, words_old, mask, per, offset)
+    return _expand(words_new, words_old, mask, per, offset)
 
 
-def _expand_numpy(
+def _expand(
     words_new: torch.Tensor, words_old: torch.Tensor, mask: torch.Tensor, per: int, offset: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Element indices and bit patterns behind a CPU word mask (``per`` elements a word).
@@ -388,21 +404,6 @@ def _expand_numpy(
     if offset:
         hit += offset
     return hit, new_values, old_values
-
-
-def _expand_torch(
-    words_new: torch.Tensor, words_old: torch.Tensor, mask: torch.Tensor, per: int, offset: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_expand_numpy` for other devices: the same steps in torch, results moved to the host."""
-    hit = mask.nonzero().view(-1)
-    new_values, old_values = words_new[hit], words_old[hit]
-    if per > 1:
-        dtype = _TORCH_BITS[_WORD_BYTES // per]
-        new_values, old_values = new_values.view(dtype), old_values.view(dtype)
-        inner = torch.ne(new_values, old_values).nonzero().view(-1)
-        hit = hit[inner // per] * per + inner % per
-        new_values, old_values = new_values[inner], old_values[inner]
-    return (hit + offset).cpu().numpy(), new_values.cpu().numpy(), old_values.cpu().numpy()
 
 
 def _sparse_nonzero(mask: np.ndarray) -> np.ndarray:

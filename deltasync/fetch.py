@@ -17,7 +17,6 @@ are avoided for good under that claim; objects whose transfer failed
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -119,10 +118,10 @@ class Fetcher:
 
     def _download(self, ref: ObjectRef) -> bytes:
         try:
-            data = self.store.get(ref.key, max_bytes=ref.size)
+            data = self.store.get_buffer(ref.key, max_bytes=ref.size)
         except IntegrityError:
             data = b""  # larger than promised: counted below like any other mismatch
-        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+        if not ref.verify(data):
             self._count_failure(ref)
             raise IntegrityError(
                 f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "

@@ -10,18 +10,19 @@ prefix, versions only go forward), planning the cheapest route from a
 replica's version to the latest, and planning retention. The publisher and the
 subscriber do the I/O.
 
-Schema changes only add fields with defaults; ``tests/golden/manifest_v1.json``
-keeps old manifests readable.
+Schema 2 adds BLAKE3 object digests; otherwise schemas only add fields with
+defaults. ``tests/golden/manifest_v1.json`` keeps old manifests readable.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from . import digests
 from .errors import ManifestError
 from .jsonio import load_json
 from .keys import MANIFEST_KEY, check_key
@@ -37,7 +38,7 @@ __all__ = [
     "plan_retention",
 ]
 
-SCHEMA = 1
+SCHEMA = 2  # 2: objects may carry a BLAKE3 digest instead of SHA-256 (readers accept 1 and 2)
 FORMAT = "deltasync-manifest"
 # Objects dropped from the manifest stay this long before deletion, so a replica
 # that read the previous manifest can still finish its download.
@@ -64,15 +65,17 @@ class ObjectRef:
     """Key relative to the run prefix (validated: no traversal, no URLs)."""
     size: int
     """Exact size in bytes."""
-    sha256: str
-    """Hex SHA-256 of the bytes."""
+    digest: str
+    """Hex digest of the bytes (64 lowercase hex digits), under :attr:`algorithm`."""
     rank: int | None = None
     """For a sharded trainer: the rank that wrote this shard of the version (each
     tensor entry in the object's header names the rows of the full tensor it holds)."""
     header: tuple[int, str] | None = None
-    """``(size, sha256)`` of the object's first bytes: the 8-byte length and the JSON
+    """``(size, digest)`` of the object's first bytes: the 8-byte length and the JSON
     header. A reader that range-reads only some tensors verifies the header with it,
-    then each tensor with the SHA-256 the header lists for it."""
+    then each tensor with the digest the header lists for it."""
+    algorithm: str = digests.WRITE
+    """Hash of :attr:`digest` and the header's: ``"blake3"`` (current writers) or ``"sha256"``; their JSON key."""
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -80,31 +83,50 @@ class ObjectRef:
             raise ManifestError(f"bad rank {self.rank!r} for {self.key}", key=self.key)
         if not _is_int(self.size, 0, MAX_COUNT):
             raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
-        if not isinstance(self.sha256, str) or len(self.sha256) != 64 or not _is_hex(self.sha256):
-            raise ManifestError(f"bad sha256 for {self.key}", key=self.key)
+        if self.algorithm not in digests.ALGORITHMS or not digests.is_hex(self.digest):
+            raise ManifestError(f"bad {self.algorithm} for {self.key}", key=self.key)
         if self.header is not None:
             size, digest = self.header
-            if not _is_int(size, 8, self.size + 1) or not isinstance(digest, str) or len(digest) != 64 or not _is_hex(digest):
+            if not _is_int(size, 8, self.size + 1) or not digests.is_hex(digest):
                 raise ManifestError(f"bad header reference for {self.key}", key=self.key)
 
+    @classmethod
+    def of(
+        cls, key: str, buffers: Sequence[Any], rank: int | None = None, header: tuple[int, str] | None = None
+    ) -> ObjectRef:
+        """The reference, with the writing algorithm's digest, of an object written as ``buffers`` one after another."""
+        return cls(key, sum(memoryview(b).nbytes for b in buffers), digests.hexdigest(buffers), rank, header)
+
+    def verify(self, data: Any) -> bool:
+        """Whether ``data`` (bytes-like) is this object: its size and digest."""
+        return memoryview(data).nbytes == self.size and digests.matches([data], self.algorithm, self.digest)
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"key": self.key, "size": self.size, "sha256": self.sha256}
+        out: dict[str, Any] = {"key": self.key, "size": self.size, self.algorithm: self.digest}
         if self.rank is not None:
             out["rank"] = self.rank
         if self.header is not None:
-            out["header"] = {"size": self.header[0], "sha256": self.header[1]}
+            out["header"] = {"size": self.header[0], self.algorithm: self.header[1]}
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> ObjectRef:
         if not isinstance(raw, dict):
             raise ManifestError("object reference must be a JSON object")
+        what = f"object reference {raw.get('key')!r}"
+        found = digests.read(raw, what, ManifestError)
+        if found is None:
+            raise ManifestError(f"{what} has no digest ({' or '.join(digests.ALGORITHMS)})")
+        algorithm, digest = found
         header = raw.get("header")
         if header is not None:
             if not isinstance(header, dict):
                 raise ManifestError("object reference 'header' must be a JSON object")
-            header = (header.get("size"), header.get("sha256"))
-        return cls(raw.get("key"), raw.get("size"), raw.get("sha256"), raw.get("rank"), header)  # type: ignore[arg-type]
+            head = digests.read(header, what, ManifestError)
+            if head is None or head[0] != algorithm:
+                raise ManifestError(f"the header reference of {what} must carry its object's {algorithm}")
+            header = (header.get("size"), head[1])
+        return cls(raw.get("key"), raw.get("size"), digest, raw.get("rank"), header, algorithm)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +279,11 @@ class Manifest:
         return replace(self, versions=self.versions + (entry,), updated=now, lease_until=now + lease_s)
 
     def to_bytes(self) -> bytes:
+        # Schema 2 once any object has a BLAKE3 digest: a schema 1 reader says "upgrade" instead of failing on it.
+        blake3 = any(ref.algorithm != "sha256" for v in self.versions for ref in (*v.delta, *v.anchor))
         body = {
             "format": FORMAT,
-            "schema": self.schema,
+            "schema": max(self.schema, 2) if blake3 else self.schema,
             "run_id": self.run_id,
             "fingerprint": self.fingerprint,
             "numel": self.numel,
@@ -318,10 +342,6 @@ def _list(value: Any, what: str) -> list[Any]:
 def _is_int(value: Any, low: int, high: int) -> bool:
     """Whether ``value`` is a real integer (not a bool) in ``[low, high)``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-
-
-def _is_hex(value: str) -> bool:
-    return all(c in "0123456789abcdef" for c in value)
 
 
 def _int(value: Any, what: str) -> int:
@@ -466,10 +486,6 @@ def new_manifest(*, run_id: str, fingerprint: str, numel: int, writer: str, leas
     now = time.time()
     return Manifest(run_id, fingerprint, numel, writer, now + lease_s, updated=now)
 
-
-def replace_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """``dataclasses.replace`` for callers that should not import dataclasses."""
-    return replace(manifest, **changes)
 
 
 def summarize(manifest: Manifest) -> Mapping[str, Any]:

@@ -28,7 +28,6 @@ retention; a second publisher on a live prefix gets
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -46,7 +45,7 @@ from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
-from .format import DEFAULT_LEVEL, Window, encode_anchor, encode_delta, header_ref
+from .format import DEFAULT_LEVEL, Window, encode_anchor_parts, encode_delta, header_ref
 from .forms import Forms, smallest
 from .keys import anchor_part_key, anchor_prefix, delta_key, writer_suffix
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
@@ -358,9 +357,11 @@ class Publisher:
             self._last_error = None
             raise error
 
-    def _upload(self, key: str, data: bytes) -> ObjectRef:
-        self.store.put(key, data, mode="create" if self.store.conditional_writes else "overwrite")
-        return ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), self._rank, header_ref(data))
+    def _upload(self, key: str, data: bytes | list[Any]) -> ObjectRef:
+        """Write one object (bytes, or buffers that the store writes one after another) and reference it."""
+        parts = [data] if isinstance(data, bytes) else data
+        self.store.put_parts(key, parts, mode="create" if self.store.conditional_writes else "overwrite")
+        return ObjectRef.of(key, parts, self._rank, header_ref(parts[0]))
 
     def _diff(self) -> tuple[str | None, ChangeSet]:
         """The changes since the last version; of the smallest form when the model has several."""
@@ -445,12 +446,20 @@ class Publisher:
                 size = 0
             groups[-1][name] = tensor
             size += nbytes
-        futures, t_encode = [], 0.0
-        for i, group in enumerate(g for g in groups if g):  # a rank that holds nothing uploads nothing
+        model = self._specs or snapshot.specs
+        encode_s = [0.0] * len(groups)
+
+        def encode_and_upload(i: int, group: dict[str, torch.Tensor]) -> ObjectRef:
+            # Parts encode (entry digests, a header; no copy of the weights) and upload on the
+            # upload threads side by side; their buffers view the snapshot, unchanged until all are written.
             t0 = time.perf_counter()
-            data = encode_anchor(group, version=version, model=self._specs or snapshot.specs, rows=self._rows)
-            t_encode += time.perf_counter() - t0
-            futures.append(self._uploads.submit(self._upload, anchor_part_key(prefix, i), data))
+            parts = encode_anchor_parts(group, version=version, model=model, rows=self._rows)
+            encode_s[i] = time.perf_counter() - t0
+            return self._upload(anchor_part_key(prefix, i), parts)
+
+        futures = [  # a rank that holds nothing uploads nothing
+            self._uploads.submit(encode_and_upload, i, group) for i, group in enumerate(g for g in groups if g)
+        ]
         refs, failure = [], None
         for future in futures:
             try:
@@ -460,7 +469,7 @@ class Publisher:
         if failure is not None:
             self._commits.discard(refs)
             raise failure
-        return tuple(refs), t_encode
+        return tuple(refs), max(encode_s, default=0.0)
 
     def _report(
         self, version: int, step: int | None, kind: str, nnz: int, refs: tuple[ObjectRef, ...],

@@ -6,11 +6,11 @@ file whose header gives each entry's byte range, and since per-expert
 tensors are separate entries (``docs/FORMAT.md``), a rank can fetch exactly
 the tensors it holds:
 
-1. the header: ``[0, size)`` with ``(size, sha256)`` from the manifest's
+1. the header: ``[0, size)`` with ``(size, digest)`` from the manifest's
    reference (:attr:`~deltasync.manifest.ObjectRef.header`), checked against it;
 2. the entries of the wanted tensors, as few range requests as their layout
    allows (neighbours closer than ``gap`` bytes are read as one request);
-3. each tensor's bytes checked against the SHA-256 its header entry lists.
+3. each tensor's bytes checked against the digest its header entry lists.
 
 The chain manifest -> header -> tensor is what makes a partial read as
 trustworthy as a whole-object hash. What comes back are the verified entries,
@@ -28,16 +28,15 @@ Limitations:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from . import digests
 from .errors import DeltaFormatError, IntegrityError
-from .format import SAFETENSORS_DTYPES, Header, header_of, raw_header
+from .format import SAFETENSORS_DTYPES, Header, entry_span, header_of, raw_header
 from .manifest import ObjectRef
 from .stores import Store
 
@@ -81,7 +80,7 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
         raise ValueError(f"{ref.key}: the manifest lists no header hash; download the object whole")
     size, digest = ref.header
     head = store.get_range(ref.key, 0, size)
-    if len(head) != size or hashlib.sha256(head).hexdigest() != digest:
+    if len(head) != size or not digests.matches([head], ref.algorithm, digest):
         raise IntegrityError(f"{ref.key}: header bytes differ from the manifest's hash", key=ref.key)
     layout = raw_header(head)
     if size != 8 + int.from_bytes(head[:8], "little"):  # the data area starts right after the JSON
@@ -89,19 +88,19 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
     header = header_of(layout)
     names = tuple(name for name in header.tensors if wanted(name))
     keys = _entry_keys(header, layout, names, ref.key)
-    spans = {key: _span(layout[key], ref.size - size, key, ref.key) for ks in keys.values() for key in ks}
+    spans = {key: entry_span(layout[key], ref.size - size, key, ref.key) for ks in keys.values() for key in ks}
     chunks, requests, body_read = _read_spans(store, ref.key, size, sorted(spans.values()), gap)
     entries: dict[str, torch.Tensor] = {}
     for name in names:
-        expected = header.tensors[name].sha256
+        expected = header.tensors[name].digest
         if expected is None:
             raise DeltaFormatError(f"{ref.key}: no digest for {name}; download the object whole", key=ref.key)
-        h = hashlib.sha256()
+        h = digests.hasher(expected[0])
         for key in sorted(keys[name]):
             raw = chunks[spans[key]]
             h.update(raw)
             entries[key] = _tensor(raw, layout[key])
-        if h.hexdigest() != expected:
+        if h.hexdigest() != expected[1]:
             raise IntegrityError(f"{ref.key}: bytes of {name} differ from the header's hash", key=ref.key, name=name)
     return Fetched(header, names, entries, size + body_read, requests + 1)
 
@@ -119,21 +118,6 @@ def _entry_keys(header: Header, layout: dict, names: tuple[str, ...], key: str) 
     if empty:
         raise DeltaFormatError(f"{key}: no entries for {empty[:5]}", key=key)
     return keys
-
-
-def _span(info: object, body: int, entry: str, key: str) -> tuple[int, int]:
-    """An entry's ``[start, stop)`` in the body, once it fits the body, its dtype and its shape."""
-    try:
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
-        start, stop = info["data_offsets"]  # type: ignore[index]
-        shape = info["shape"]  # type: ignore[index]
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape))
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok or not start <= stop <= body or stop - start != numel * dtype.itemsize:
-        raise DeltaFormatError(f"{key}: entry {entry!r} has an impossible type, shape or byte range", key=key)
-    return start, stop
 
 
 def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

@@ -79,7 +79,10 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
     for path in (ROOT / "golden").rglob("*.safetensors"):
         header = read_header(path.read_bytes())
         seen["kind", header.kind] += 1
+        seen["format", header.format_version] += 1
         for name, entry in header.tensors.items():
+            if entry.digest is not None:
+                seen["entry digest", header.format_version, entry.digest[0]] += 1
             seen["codec", entry.codec] += 1
             seen["dtype", entry.spec.dtype] += 1
             seen["dims", len(entry.spec.shape)] += 1
@@ -97,12 +100,16 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
         *[("dims", d) for d in range(5)],
         ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),
         ("gap bytes", 4, "plain"), ("shard rows",), ("zero elements", "anchor"), ("non-ascii name",),
+        ("format", 1), ("format", 2), ("entry digest", 1, "sha256"), ("entry digest", 2, "blake3"),
     ]:
         assert seen[need if len(need) > 1 else need[0]], f"no golden file has {need}"
     manifests = {p.parent.parent.name: json.loads(p.read_text()) for p in ROOT.glob("golden/*/store/manifest.json")}
     assert any(len(v.get("anchor", [])) > 1 for m in manifests.values() for v in m["versions"])  # multi-part anchors
     assert any(v.get("anchor") and v.get("delta") for m in manifests.values() for v in m["versions"])
     assert any(json.loads(p.read_text())["retired"] for p in (ROOT / "golden").glob("*/store/retired.json"))
+    refs = [r for m in manifests.values() for v in m["versions"] for r in v.get("delta", []) + v.get("anchor", [])]
+    assert {m["schema"] for m in manifests.values()} == {1, 2}
+    assert any("sha256" in r for r in refs) and any("blake3" in r and "blake3" in r["header"] for r in refs)
 
 
 def test_special_values_reach_the_reader_bit_exactly() -> None:

@@ -20,8 +20,9 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
         "anchor publish", "anchor load", "anchor publish, one part", "anchor load, one part",
-        "diff", "decode", "decode, 1 thread", "apply", "whole update",
+        "diff", "diff, device path", "decode", "decode, 1 thread", "apply", "whole update",
     }
+    assert result["stages"]["diff, device path"]["host_waits"] == 2  # whatever the number of tensors
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -92,9 +91,9 @@ def at_offset(tensor: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 class TestWordCompare:
-    """The int64-word comparison, its element-wise fallbacks and both expanders agree with numpy."""
+    """The int64-word comparison, its element-wise fallbacks and the device path agree with numpy."""
 
-    @pytest.mark.parametrize("expander", ["numpy", "torch"])
+    @pytest.mark.parametrize("path", ["cpu", "device"])
     @settings(max_examples=60, deadline=None)
     @given(
         n=st.sampled_from([1, 3, 4, 5, 17, 1000, 4099, 40_003]),
@@ -107,7 +106,7 @@ class TestWordCompare:
         seed=st.integers(0, 2**16),
     )
     def test_matches_elementwise_reference(
-        self, expander: str, n: int, density: float, published: str, master: bool,
+        self, path: str, n: int, density: float, published: str, master: bool,
         live_offset: int, snapshot_offset: int, chunk: int, seed: int,
     ) -> None:
         dtype, bits = PUBLISHED[published]
@@ -123,9 +122,8 @@ class TestWordCompare:
             live = live.float() + torch.rand(n, generator=gen) * 1e-3 * live.float().abs() * (torch.rand(n, generator=gen) < 0.5)
             new = live.to(dtype).view(bits)
         snapshot = Snapshot({"w": at_offset(old.view(dtype), snapshot_offset)})
-        patch = diff_module._expand_torch if expander == "torch" else diff_module._expand_numpy
-        with mock.patch.object(diff_module, "_expand_numpy", patch):
-            got = diff(snapshot, {"w": at_offset(live, live_offset)}, chunk=chunk, dense_fraction=1.0)
+        got = diff(snapshot, {"w": at_offset(live, live_offset)}, chunk=chunk, dense_fraction=1.0,
+                   on_device=path == "device")
         expected = np.flatnonzero(new.numpy() != old.numpy())
         if expected.size == 0:
             assert got.changes == ()
@@ -244,6 +242,74 @@ class TestSnapshot:
         assert fingerprint(a) != fingerprint(Snapshot.capture({"w": torch.zeros(2, 2)}).specs)
         assert fingerprint(a) != fingerprint(Snapshot.capture({"v": torch.zeros(4)}).specs)
         assert fingerprint(a) != fingerprint(Snapshot.capture({"w": torch.zeros(4)}, dtype=None).specs)
+
+
+class TestDevicePath:
+    """``device_diff``: the same change sets as the CPU path, with two host waits per version."""
+
+    @staticmethod
+    def model(tensors: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], Snapshot]:
+        gen = torch.Generator().manual_seed(seed)
+        live: dict[str, torch.Tensor] = {}
+        for i in range(tensors):
+            kind = i % 4
+            shape = [(0, 3), (5,), (64, 33), (1000,)][kind]
+            live[f"t{i}"] = torch.randn(shape, generator=gen, dtype=[torch.float32, BF16, torch.float16, BF16][kind])
+        live["fp32"] = torch.randn(300, generator=gen)
+        snap = Snapshot.capture(live, dtype=None)
+        live["fp32"][::2] += 1.0  # dense at the default fraction
+        for i, t in enumerate(live.values()):
+            if t.numel() and i % 3:
+                flat = t.view(-1)
+                flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=gen)] += 0.5
+        return live, snap
+
+    @pytest.mark.parametrize("chunk", [7, 100, 1 << 22])
+    def test_same_changes_as_the_cpu_path(self, chunk: int) -> None:
+        live, snap = self.model(13)
+        cpu, device = diff(snap, live, chunk=chunk), diff(snap, live, chunk=chunk, on_device=True)
+        assert [c.spec for c in cpu.changes] == [c.spec for c in device.changes] and cpu.nnz == device.nnz > 0
+        assert any(c.dense for c in device.changes) and any(not c.dense for c in device.changes)
+        for a, b in zip(cpu.changes, device.changes):
+            assert a.nnz == b.nnz and a.dense == b.dense and torch.equal(a.values, b.values)
+            assert a.dense or (torch.equal(a.indices, b.indices) and torch.equal(a.base, b.base))
+            assert torch.equal(a.whole_base, b.whole_base)
+        assert diff(snap, {n: t.clone() for n, t in snap.items()}, on_device=True).changes == ()
+
+    @pytest.mark.parametrize("tensors", [3, 300])
+    def test_two_host_waits_whatever_the_tensor_count(self, tensors: int) -> None:
+        """No per-tensor or per-chunk waits: no ``nonzero`` or scalar reads, and two transfers to the host."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from deltasync.device_diff import host_waits
+
+        ops: list[str] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                ops.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        live, snap = self.model(tensors)
+        before = host_waits()
+        with Record():
+            changes = diff(snap, live, chunk=64, on_device=True)
+        assert changes.nnz > 0 and host_waits() - before == 2
+        waits = {op for op in ops if op.split(".")[-1] in ("nonzero", "_local_scalar_dense", "item", "is_nonzero")}
+        assert not waits and "aten.nonzero_static" in ops
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_path_on_cuda_matches_the_cpu_path() -> None:
+    live, snap = TestDevicePath.model(40)
+    on_cuda = Snapshot({n: t.cuda() for n, t in snap.items()})
+    cpu = diff(snap, live)
+    cuda = diff(on_cuda, {n: t.cuda() for n, t in live.items()})  # taken by default off the CPU
+    assert [c.spec for c in cpu.changes] == [c.spec for c in cuda.changes]
+    for a, b in zip(cpu.changes, cuda.changes):
+        assert a.nnz == b.nnz and torch.equal(a.values, b.values) and b.values.device.type == "cpu"
+        assert a.dense or (torch.equal(a.indices, b.indices) and torch.equal(a.base, b.base))
 
 
 @pytest.mark.cuda

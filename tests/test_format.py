@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 import safetensors.torch
@@ -70,7 +70,7 @@ class TestHeader:
     def test_metadata_is_self_describing(self) -> None:
         data, _, _ = make_delta()
         meta = raw_header(data)["__metadata__"]
-        assert meta["format"] == "deltasync" and meta["format_version"] == "1"
+        assert meta["format"] == "deltasync" and meta["format_version"] == "2"
         assert meta["kind"] == "delta" and meta["version"] == "2" and meta["base_version"] == "1"
         header = read_header(data)
         assert header.nnz == 5 and header.numel == 104
@@ -112,19 +112,63 @@ class TestGolden:
         # safetensors orders metadata keys freely, so compare the parsed header and the body bytes.
         data, _, _ = make_delta("raw")
         golden = (GOLDEN / "delta_v1_raw.safetensors").read_bytes()
-        # Files written since carry a SHA-256 per tensor (for range reads); the rest is unchanged.
+        # Files written since carry a BLAKE3 digest per tensor (for range reads) and format version 2;
+        # the rest is unchanged.
         header = raw_header(data)
         entries = json.loads(header["__metadata__"]["tensors"])
-        digests = {name: entry.pop("sha256") for name, entry in entries.items()}
+        found = {name: entry.pop("blake3") for name, entry in entries.items()}
         header["__metadata__"]["tensors"] = json.dumps(entries, separators=(",", ":"))
-        assert header == raw_header(golden)
+        assert header["__metadata__"].pop("format_version") == "2"
+        old = raw_header(golden)
+        assert old["__metadata__"].pop("format_version") == "1"
+        assert header == old
         loaded = safetensors.torch.load(data)
-        for name, digest in digests.items():
+        for name, digest in found.items():
             parts = b"".join(loaded[k].reshape(-1).view(torch.uint8).numpy().tobytes() for k in sorted(loaded)
                              if k.startswith(name + "::"))
-            assert hashlib.sha256(parts).hexdigest() == digest
+            assert blake3.blake3(parts).hexdigest() == digest
         body = 8 + struct.unpack("<Q", data[:8])[0]
         assert data[body:] == golden[8 + struct.unpack("<Q", golden[:8])[0] :]
+
+
+class TestEntries:
+    def test_writable_buffers_are_viewed_and_bytes_copied(self) -> None:
+        from deltasync.format.decode import file_entries
+
+        weights = {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(7), "e": torch.zeros(0, 3, dtype=torch.bfloat16)}
+        data = encode_anchor(weights, version=0)
+        buffer = bytearray(data)
+        lo = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+        viewed, copied = file_entries(buffer), file_entries(data)
+        for name, tensor in weights.items():
+            assert torch.equal(viewed[name], tensor) and torch.equal(copied[name], tensor)
+        assert lo <= viewed["a"].data_ptr() < lo + len(buffer)  # no copy of the weights
+        header, patches = decode(memoryview(buffer))
+        assert header.kind == "anchor"
+        assert np.array_equal(np.asarray(patches["b"].values), weights["b"].view(torch.int32).reshape(-1).numpy())
+
+    @pytest.mark.parametrize(
+        "edit",
+        [
+            lambda h: h["b"].update(data_offsets=[0, 32]),  # overlaps a
+            lambda h: h.pop("b"),  # leaves the last 32 bytes unclaimed
+            lambda h: h["a"].update(data_offsets=[0, 28], shape=[7]),  # a gap of 4 bytes
+            lambda h: h["b"].update(data_offsets=[32, 68], shape=[9]),  # past the end
+        ],
+    )
+    def test_entries_must_tile_the_data_area(self, edit: Any) -> None:
+        """A gap, an overlap or an overrun is refused whether the buffer is viewed or copied."""
+        from deltasync.format.decode import file_entries
+
+        good = encode_anchor({"a": torch.zeros(8), "b": torch.ones(8)}, version=0)
+        header, body = raw_header(good), good[8 + struct.unpack("<Q", good[:8])[0] :]
+        edit(header)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        bad = struct.pack("<Q", len(text)) + text + body
+        for buffer in (bytearray(bad), bad):
+            with pytest.raises(DeltaFormatError):
+                file_entries(buffer)
 
 
 class TestRefusals:
@@ -151,7 +195,7 @@ class TestRefusals:
 
     def test_future_format_version(self) -> None:
         data, _, _ = make_delta()
-        newer = rebuild(data, lambda t, m: m.update(format_version="2"))
+        newer = rebuild(data, lambda t, m: m.update(format_version="3"))
         with pytest.raises(DeltaFormatError, match="upgrade deltasync"):
             read_header(newer)
 

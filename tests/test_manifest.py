@@ -47,6 +47,18 @@ class TestSchema:
         assert m.latest == 3 and [a.version for a in m.anchors()] == [0, 2]
         assert m.entry(3).delta[0].key == "deltas/0000000003-9f2c1a7b.safetensors"
 
+    def test_blake3_references_beside_sha256_ones(self) -> None:
+        """A format 1 run continued by a current writer: both digests in one manifest, schema 2 on write."""
+        old = Manifest.from_bytes(GOLDEN.read_bytes())
+        assert old.schema == 1 and Manifest.from_bytes(old.to_bytes()).schema == 1
+        data = b"\x08" + bytes(7) + b"{}      " + b"x" * 100
+        new = ObjectRef.of("deltas/0000000004-0a1b2c3d.safetensors", [data[:16], data[16:]], header=(16, "a" * 64))
+        assert new.algorithm == "blake3" and new.size == len(data) and new.verify(data) and not new.verify(data[:-1])
+        raw = json.loads(old.with_version(VersionEntry(4, delta=(new,)), now=1.0, lease_s=1.0).to_bytes())
+        assert raw["schema"] == 2 and raw["versions"][-1]["delta"][0]["header"] == {"size": 16, "blake3": "a" * 64}
+        back = Manifest.from_bytes(json.dumps(raw).encode())
+        assert back.entry(4).delta[0] == new and back.entry(3).delta[0].algorithm == "sha256"
+
     def test_unknown_fields_are_ignored(self) -> None:
         raw = json.loads(GOLDEN.read_bytes())
         raw["future_field"] = {"x": 1}
@@ -67,6 +79,10 @@ class TestSchema:
             (lambda r: r["versions"][0].pop("anchor"), "neither delta nor anchor"),
             (lambda r: r.update(versions={}), "must be a list"),
             (lambda r: r.pop("run_id"), "malformed"),
+            (lambda r: r["versions"][1]["delta"][0].pop("sha256"), "has no digest"),
+            (lambda r: r["versions"][1]["delta"][0].update(blake3="1" * 64), "two digests"),
+            (lambda r: r["versions"][1]["delta"][0].update(sha256="1" * 63), "bad sha256"),
+            (lambda r: r["versions"][1]["delta"][0].update(header={"size": 8, "blake3": "1" * 64}), "must carry"),
         ],
     )
     def test_bad_manifests_refused(self, mutate, match: str) -> None:

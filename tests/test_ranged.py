@@ -8,7 +8,6 @@ tensor bytes are refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from deltasync.appliers import TorchModuleApplier
 from deltasync.errors import ConfigError, DeltaFormatError, IntegrityError
 from deltasync.format import decode, decode_entries, header_ref, raw_header
 from deltasync.keys import MANIFEST_KEY
-from deltasync.manifest import Manifest
+from deltasync.manifest import Manifest, ObjectRef
 from deltasync.ranged import can_read_ranges, fetch_tensors
 from deltasync.stores import Store
 from deltasync.tensors import bits_view
@@ -157,7 +156,7 @@ class TestTampering:
         raw += b" " * (-len(raw) % 8)
         forged = len(raw).to_bytes(8, "little") + raw + data[ref.header[0] :]
         store.put(ref.key, forged)
-        forged_ref = dataclasses.replace(ref, size=len(forged), sha256=hashlib.sha256(forged).hexdigest(),
+        forged_ref = dataclasses.replace(ref, size=len(forged), digest=ObjectRef.of(ref.key, [forged]).digest,
                                          header=header_ref(forged))
         with pytest.raises(DeltaFormatError, match="impossible"):
             fetch_tensors(store, forged_ref, lambda n: n == "experts.0.up_proj.weight")

@@ -21,6 +21,20 @@ class TestReadWrite:
         assert store.get("deltas/000001.safetensors") == data
         assert store.head("deltas/000001.safetensors").size == len(data)
 
+    def test_parts_and_buffers(self, store: Store) -> None:
+        """``put_parts`` writes the buffers one after another; ``get_buffer`` reads the same bytes."""
+        parts = [b"head", memoryview(bytearray(b"0123456789")), memoryview(b"")[0:0], bytearray(b"tail")]
+        store.put_parts("p/obj", parts)
+        assert store.get("p/obj") == b"head0123456789tail"
+        buffer = store.get_buffer("p/obj")
+        assert bytes(buffer) == b"head0123456789tail"
+        if isinstance(store, LocalStore):
+            assert not memoryview(buffer).readonly  # viewed by the decoder, not copied
+        with pytest.raises(IntegrityError):
+            store.get_buffer("p/obj", max_bytes=4)
+        with pytest.raises(ObjectNotFound):
+            store.get_buffer("p/missing")
+
     def test_empty_object(self, store: Store) -> None:
         store.put("empty", b"")
         assert store.get("empty") == b""

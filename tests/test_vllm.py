@@ -88,7 +88,6 @@ class TestPlainWeights:
 
     def test_sharded_version_applies_exactly_with_one_batched_lookup(self, plain_run, tmp_path: Path) -> None:
         """A version written as two trainer-rank shards (rows split in half) reaches the engine exactly."""
-        import hashlib
         import time
 
         from deltasync.diff import Snapshot, diff
@@ -115,7 +114,7 @@ class TestPlainWeights:
             data = encode_delta(changes, version=1, base_version=0, model=specs, rows=rows)
             key = f"deltas/0000000001-shard-r{rank:05d}.safetensors"
             store.put(key, data)
-            refs.append(ObjectRef(key, len(data), hashlib.sha256(data).hexdigest(), rank))
+            refs.append(ObjectRef.of(key, [data], rank))
         manifest = Manifest.from_bytes(store.get(MANIFEST_KEY))
         entry = VersionEntry(1, step=1, time=time.time(), nnz=1, delta=tuple(refs))
         store.put(MANIFEST_KEY, manifest.with_version(entry, now=time.time(), lease_s=0.0).to_bytes())

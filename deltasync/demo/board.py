@@ -231,7 +231,7 @@ def _replica_rows(board: Board, deltas: list[Commit]) -> list[tuple[str, str]]:
         fetch, dec, app = (statistics.median(u[k] for u in updates) for k in range(3))
         # On this machine the replicas share its cores with the trainer: the codec alone is faster
         # (benchmarks/device_sync.py measures it on an idle machine).
-        rows.append(("replica update (deltas)", f"median fetch + sha256 {1e3 * fetch:.0f} ms, header checks + "
+        rows.append(("replica update (deltas)", f"median fetch + digest {1e3 * fetch:.0f} ms, header checks + "
                      f"decode {1e3 * dec:.0f} ms (sharing the CPU with the trainer), apply in place {1e3 * app:.1f} ms"))
     rejected = {k: v for r in board.replicas for k, v in r.rejected.items()}
     if rejected:

@@ -16,7 +16,15 @@ Reading is split in two so a receiver can refuse a file before decoding it:
 from __future__ import annotations
 
 from .decode import combine, decode, decode_entries
-from .encode import DEFAULT_LEVEL, as_numpy_bits, encode_anchor, encode_delta, serialize
+from .encode import (
+    DEFAULT_LEVEL,
+    as_numpy_bits,
+    encode_anchor,
+    encode_anchor_parts,
+    encode_delta,
+    serialize,
+    serialize_parts,
+)
 from .header import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -29,6 +37,7 @@ from .header import (
     TensorEntry,
     Window,
     check_compatible,
+    entry_span,
     header_of,
     header_ref,
     raw_header,
@@ -51,9 +60,12 @@ __all__ = [
     "slice_spec",
     "encode_delta",
     "encode_anchor",
+    "encode_anchor_parts",
     "serialize",
+    "serialize_parts",
     "as_numpy_bits",
     "header_ref",
+    "entry_span",
     "header_of",
     "raw_header",
     "read_header",

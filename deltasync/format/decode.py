@@ -19,9 +19,9 @@ from ..codec import BaseLookup, Decoded, get_codec
 from ..errors import CodecError, DeltaFormatError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
-from .header import Header, TensorEntry, entry_digest, read_header
+from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, entry_span, raw_header, read_header
 
-__all__ = ["decode", "decode_entries", "combine"]
+__all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
 
 def decode(
@@ -46,11 +46,49 @@ def decode(
             base-relative decode did not reproduce the publisher's values.
     """
     header = header or read_header(data)
-    try:
-        entries = safetensors.torch.load(bytes(data))
-    except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
-        raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
-    return header, decode_entries(header, entries, base=base)
+    return header, decode_entries(header, file_entries(data), base=base)
+
+
+def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Every safetensors entry of a file, checked to tile its data area exactly.
+
+    A writable buffer (a store's :meth:`~deltasync.stores.Store.get_buffer` of a
+    local file) is viewed, not copied: an anchor's tensors go from the bytes read
+    straight into the replica's weights, one copy in all. Read-only bytes are
+    copied by safetensors (torch refuses to view them).
+
+    Raises:
+        `DeltaFormatError`: a malformed header, or entries that overlap, leave gaps or overrun the file.
+    """
+    view = memoryview(data).cast("B")
+    if view.readonly:
+        try:
+            return safetensors.torch.load(bytes(view))
+        except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
+            raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
+    layout = raw_header(view)
+    head = 8 + int.from_bytes(view[:8], "little")
+    body = len(view) - head
+    spans = {name: entry_span(info, body, name) for name, info in layout.items() if name != "__metadata__"}
+    at = 0
+    for start, stop in sorted(spans.values()):
+        if start != at:
+            raise DeltaFormatError(f"corrupt safetensors body: entries do not tile the data area (a gap or an "
+                                   f"overlap at byte {start})")
+        at = stop
+    if at != body:
+        raise DeltaFormatError(f"corrupt safetensors body: entries end at byte {at} of {body}")
+    out = {}
+    for name, (start, stop) in spans.items():
+        dtype, shape = SAFETENSORS_DTYPES[layout[name]["dtype"]], layout[name]["shape"]
+        if stop == start:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif (head + start) % dtype.itemsize:  # another writer's unaligned layout: copied, never viewed misaligned
+            out[name] = torch.frombuffer(bytearray(view[head + start : head + stop]), dtype=dtype).reshape(shape)
+        else:
+            out[name] = torch.frombuffer(view, dtype=dtype, count=(stop - start) // dtype.itemsize,
+                                         offset=head + start).reshape(shape)
+    return out
 
 
 def decode_entries(
@@ -120,20 +158,20 @@ def decode_entries(
 def _blame(name: str, entry: TensorEntry, parts: Mapping[str, torch.Tensor], exc: IntegrityError) -> None:
     """After a failed integrity check, say which side is at fault where the file can tell.
 
-    The header records a sha256 of each entry's bytes: if they differ from it the payload was altered
+    The header records a digest of each entry's bytes: if they differ from it the payload was altered
     after it was written; if they match it, the receiver's base is not the delta's.
     """
-    if entry.sha256 is None:
+    if entry.digest is None:
         return  # a file without entry digests: the codec's message stands
-    if entry_digest([parts[key] for key in sorted(parts)]) != entry.sha256:
+    if entry_digest([parts[key] for key in sorted(parts)], entry.digest[0]) != entry.digest:
         raise IntegrityError(
             f"{name}: the delta's bytes for this tensor differ from what its publisher hashed (its header's "
-            "sha256): the object was altered after it was written. This replica's weights are not at fault and "
+            f"{entry.digest[0]}): the object was altered after it was written. This replica's weights are not at fault and "
             "were not touched; it keeps its version until the publisher writes an intact one",
             name=name,
         ) from exc
     raise IntegrityError(
-        f"{name}: the delta's bytes are intact (they match its header's sha256), but decoding them against this "
+        f"{name}: the delta's bytes are intact (they match its header's {entry.digest[0]}), but decoding them against this "
         "receiver's weights did not reproduce the publisher's values: this receiver does not hold the delta's base "
         "version (its weights were changed outside deltasync, or it missed a version); resync from an anchor",
         name=name,

@@ -24,7 +24,10 @@ from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
 
-__all__ = ["DEFAULT_LEVEL", "encode_delta", "encode_anchor", "serialize", "as_numpy_bits"]
+__all__ = [
+    "DEFAULT_LEVEL", "encode_delta", "encode_anchor", "encode_anchor_parts", "serialize", "serialize_parts",
+    "as_numpy_bits",
+]
 
 DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
 # safetensors' dtype names, with the rank of its writer's layout order (entries
@@ -120,7 +123,17 @@ def _nbytes(encoded: Any) -> int:
 
 
 def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost.
+    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost."""
+    return b"".join(serialize_parts(tensors, metadata))
+
+
+def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[Any]:
+    """The bytes of :func:`serialize` as buffers to write one after another, not joined.
+
+    The first buffer is the length prefix and the JSON header; each later one is a
+    view of a tensor's memory (so the tensors must not change until the buffers are
+    written). An anchor's parts go to the store this way, skipping one copy of the
+    weights.
 
     safetensors' Python wrapper spends ~18 us per entry (ctypes pointers,
     shared-storage checks) before the one copy into the file: 8.8 ms for a
@@ -135,7 +148,9 @@ def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> byt
         t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" or not t.is_contiguous()
         for t in tensors.values()
     ):
-        return safetensors.torch.save(tensors, metadata=metadata)
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        head = 8 + struct.unpack("<Q", data[:8])[0]
+        return [data[:head], memoryview(data)[head:]]
     order = sorted(tensors, key=lambda name: (-_SAFETENSORS_DTYPES[tensors[name].dtype][1], natural_key(name)))
     header: dict[str, Any] = {"__metadata__": metadata}
     buffers = []
@@ -152,7 +167,7 @@ def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> byt
         offset += data.size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
+    return [struct.pack("<Q", len(raw)) + raw, *buffers]
 
 
 def natural_key(name: str) -> tuple[Any, ...]:
@@ -173,7 +188,21 @@ def encode_anchor(
     model: Sequence[TensorSpec] | None = None,
     rows: Mapping[str, Window] | None = None,
 ) -> bytes:
-    """Serialize full tensors (in their published dtype) as an anchor file.
+    """Serialize full tensors (in their published dtype) as an anchor file (see :func:`encode_anchor_parts`)."""
+    return b"".join(encode_anchor_parts(source, version=version, model=model, rows=rows))
+
+
+def encode_anchor_parts(
+    source: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    model: Sequence[TensorSpec] | None = None,
+    rows: Mapping[str, Window] | None = None,
+) -> list[Any]:
+    """Serialize full tensors (in their published dtype) as an anchor file, in unjoined buffers.
+
+    The buffers after the first view the tensors' memory (CPU tensors are not
+    copied): the caller keeps the tensors unchanged until the buffers are written.
 
     The entries are the tensors under their own names, so an anchor is also an
     ordinary safetensors checkpoint.
@@ -196,7 +225,7 @@ def encode_anchor(
         for s in specs
     }
     meta = metadata_strings("anchor", version, None, tuple(model) if model is not None else specs, entries)
-    return serialize(tensors, meta)
+    return serialize_parts(tensors, meta)
 
 
 def as_numpy_bits(tensor: torch.Tensor) -> np.ndarray:

@@ -8,8 +8,8 @@ safetensors JSON header (length-bounded, strict JSON), the deltasync metadata
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import digests
 from ..errors import DeltaFormatError, FingerprintMismatch
 from ..jsonio import load_json
 from ..tensors import TensorSpec, dtype_from_name, fingerprint
@@ -40,13 +41,14 @@ __all__ = [
     "metadata_strings",
     "header_ref",
     "raw_header",
+    "entry_span",
     "read_header",
     "header_of",
     "check_compatible",
 ]
 
 FORMAT_NAME = "deltasync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: BLAKE3 entry digests (readers accept 1 and 2; docs/FORMAT.md, "Versions")
 # Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
 MAX_HEADER_BYTES = 64 << 20
 
@@ -115,9 +117,9 @@ class TensorEntry:
     """For a shard written by one trainer rank: the dim-0 rows (or, as :class:`Elements`,
     the flat elements) of the full tensor this file carries (indices and values are
     relative to the first); ``None``: all of it."""
-    sha256: str | None = None
-    """Hex SHA-256 of the tensor's entry bytes, in entry-name order: lets a reader that
-    range-reads only some tensors verify them (files written before it have none)."""
+    digest: tuple[str, str] | None = None
+    """``(algorithm, hex)`` digest of the tensor's entry bytes, in entry-name order: lets a
+    reader that range-reads only some tensors verify them (files written before it have none)."""
 
     @property
     def local_spec(self) -> TensorSpec:
@@ -175,24 +177,23 @@ def entry_json(
     nnz: int,
     params: dict[str, Any],
     rows: Window | None = None,
-    sha256: str | None = None,
+    digest: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     out = {"codec": codec, "shape": list(spec.shape), "dtype": spec.dtype, "nnz": nnz, "params": params}
     if isinstance(rows, Elements):
         out["elements"] = [int(rows.start), int(rows.stop)]
     elif rows is not None:
         out["rows"] = [int(rows[0]), int(rows[1])]
-    if sha256 is not None:
-        out["sha256"] = sha256
+    if digest is not None:
+        out[digest[0]] = digest[1]
     return out
 
 
-def entry_digest(parts: Sequence[torch.Tensor]) -> str:
-    """SHA-256 over the bytes of one tensor's entries, given in entry-name order."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(memoryview(part.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
-    return h.hexdigest()
+def entry_digest(parts: Sequence[torch.Tensor], algorithm: str = digests.WRITE) -> tuple[str, str]:
+    """``(algorithm, hex)`` digest over the bytes of one tensor's entries, given in entry-name order."""
+    return algorithm, digests.hexdigest(
+        (memoryview(p.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()) for p in parts), algorithm
+    )
 
 
 def metadata_strings(
@@ -220,11 +221,31 @@ def metadata_strings(
     return meta
 
 
-def header_ref(data: bytes | memoryview) -> tuple[int, str]:
-    """``(size, sha256)`` of a file's first bytes (length prefix and JSON header), for the manifest."""
+def header_ref(data: bytes | memoryview, algorithm: str = digests.WRITE) -> tuple[int, str]:
+    """``(size, digest)`` of a file's first bytes (length prefix and JSON header), for the manifest."""
     (length,) = struct.unpack("<Q", bytes(data[:8]))
     size = 8 + length
-    return size, hashlib.sha256(data[:size]).hexdigest()
+    return size, digests.hexdigest([memoryview(data)[:size]], algorithm)
+
+
+def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[int, int]:
+    """A safetensors entry's ``[start, stop)`` in the data area of ``body`` bytes, once it fits it, its dtype
+    and its shape.
+
+    Raises:
+        `DeltaFormatError`: an unknown dtype, a malformed shape or offsets, or a range outside the body
+            or of another length than the shape and dtype give.
+    """
+    try:
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
+        start, stop = info["data_offsets"]  # type: ignore[index]
+        shape = info["shape"]  # type: ignore[index]
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok or not start <= stop <= body or stop - start != math.prod(shape) * dtype.itemsize:
+        raise DeltaFormatError(f"{key}: entry {entry!r} has an impossible type, shape or byte range", key=key)
+    return start, stop
 
 
 def raw_header(data: bytes | memoryview) -> dict[str, Any]:
@@ -287,10 +308,10 @@ def _is_int(value: Any) -> bool:
 
 def _parse_header(meta: dict[str, Any]) -> Header:
     format_version = _integer(meta, "format_version")
-    if format_version != FORMAT_VERSION:
+    if not 1 <= format_version <= FORMAT_VERSION:
         raise DeltaFormatError(
             f"format version {format_version} is not supported (this deltasync reads "
-            f"{FORMAT_VERSION}); upgrade deltasync",
+            f"1 to {FORMAT_VERSION}); upgrade deltasync",
             format_version=format_version,
         )
     kind = meta["kind"]
@@ -351,11 +372,9 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
-    digest = raw.get("sha256")
-    if digest is not None and not (
-        isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
-    ):
-        raise DeltaFormatError(f"{name}: bad sha256 {digest!r}")
+    digest = digests.read(raw, name, DeltaFormatError)
+    if digest is not None and not digests.is_hex(digest[1]):
+        raise DeltaFormatError(f"{name}: bad {digest[0]} {digest[1]!r}")
     return TensorEntry(spec, str(raw["codec"]), nnz, params, rows, digest)
 
 

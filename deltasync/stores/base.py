@@ -17,9 +17,9 @@ import logging
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from ..errors import DeltaSyncError, IntegrityError, StoreError
 from ..keys import check_key
@@ -139,6 +139,17 @@ class Store(ABC):
             `PreconditionFailed`: a condition did not hold. `StoreError`: the write failed.
         """
 
+    def put_parts(
+        self, key: str, parts: Iterable[Any], *, mode: PutMode = "overwrite", if_match: str | None = None
+    ) -> ObjectInfo:
+        """:meth:`put` of the bytes of ``parts`` (bytes-like buffers) one after another.
+
+        ``parts`` is iterated once. Backends that can write buffers in sequence skip
+        joining them (an anchor's parts are views of the weights); the default joins
+        them and calls :meth:`put`.
+        """
+        return self.put(key, b"".join(parts), mode=mode, if_match=if_match)
+
     @abstractmethod
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """Read a whole object.
@@ -153,6 +164,14 @@ class Store(ABC):
             `ObjectNotFound`: the key is missing. `IntegrityError`: the object is larger than ``max_bytes``.
             `StoreError`: the read failed.
         """
+
+    def get_buffer(self, key: str, *, max_bytes: int | None = None) -> bytes | memoryview:
+        """:meth:`get`, into a writable buffer where the backend reads into one (a local file does).
+
+        A writable buffer lets an anchor's tensors be viewed instead of copied
+        (:func:`deltasync.format.file_entries`); the default returns :meth:`get`'s bytes.
+        """
+        return self.get(key, max_bytes=max_bytes)
 
     @abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
