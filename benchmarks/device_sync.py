@@ -11,7 +11,8 @@ median of ``--repeats`` runs with the spread (min, max):
 | diff on the training thread | ``diff`` of the masters against the snapshot (off the CPU: the device path) | cast + ``ne`` + ``nonzero`` over all weights |
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
 | replica decode | ``decode`` of the delta (default codec) against the replica, on all threads and on one | zstd-decompressing the same delta's parts |
-| replica apply | ``TorchModuleApplier.apply`` | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
+| replica apply | ``TorchModuleApplier.apply`` (on an accelerator: staged) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
+| apply, staged | the same with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
 | anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
 
@@ -202,6 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
+        staged = TorchModuleApplier(decoder.state(), stage=True)  # the path tensors on an accelerator take
+        t_apply_staged = spread(lambda: staged.apply(patches), args.repeats, device)
         t_floor_apply = spread(
             lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in on_device.items()], args.repeats, device
         )
@@ -243,6 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "spread": [t_decode_one, t_floor_decode]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
+        rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
+                                 "floor_with_copy": t_floor_h2d_apply["median"],
+                                 "spread": [t_apply_staged, t_floor_apply]}
         rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
                                 "spread": [{"median": statistics.median(updates), "min": min(updates),
                                             "max": max(updates)}, t_full_copy]}

@@ -20,7 +20,7 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
         "anchor publish", "anchor load", "anchor publish, one part", "anchor load, one part",
-        "diff", "diff, device path", "decode", "decode, 1 thread", "apply", "whole update",
+        "diff", "diff, device path", "decode", "decode, 1 thread", "apply", "apply, staged", "whole update",
     }
     assert result["stages"]["diff, device path"]["host_waits"] == 2  # whatever the number of tensors
     for stage in result["stages"].values():

@@ -13,6 +13,7 @@ from deltasync.manifest import MANIFEST_KEY, Manifest
 from deltasync.publisher import Publisher
 from deltasync.stores import MemoryStore, Store
 from deltasync.subscriber import Subscriber
+from deltasync.tensors import bits_view
 from tests.faults import FaultyStore
 
 
@@ -52,6 +53,42 @@ class TestEndToEnd:
                 assert_exact(trainer, rep)
             assert sub.version == pub.version
         assert len(list(store.list("acks/"))) == 1
+
+    @pytest.mark.parametrize("stage", [False, True], ids=["one-by-one", "staged"])
+    @pytest.mark.parametrize("own_dtype", [False, True], ids=["bf16", "fp16-fp32"])
+    def test_replica_layouts_end_bit_exact(self, stage: bool, own_dtype: bool) -> None:
+        """Both write paths (tensor by tensor, and staged as on an accelerator) into every target layout:
+        the published dtype, a wider dtype, a transposed view, 2- and 4-byte values, whole tensors
+        and sparse changes."""
+        torch.manual_seed(0)
+        if own_dtype:  # each tensor published in its own dtype
+            live = {"h": torch.randn(300).half(), "f": torch.randn(40, 9)}
+            targets = {"h": torch.zeros(300, dtype=torch.float16), "f": torch.zeros(9, 40).t()}
+        else:
+            live = {"w": torch.randn(64, 33), "v": torch.randn(1000), "t": torch.randn(48, 20)}
+            targets = {
+                "w": torch.zeros(64, 33, dtype=torch.bfloat16),
+                "v": torch.zeros(1000, dtype=torch.float32),  # held wider than published: cast up exactly
+                "t": torch.zeros(20, 48, dtype=torch.bfloat16).t(),  # non-contiguous
+            }
+        dtype = None if own_dtype else torch.bfloat16
+        store = MemoryStore(f"layouts-{stage}-{own_dtype}")
+        applier = TorchModuleApplier({n: t for n, t in targets.items()}, dtype=dtype, stage=stage)
+        if not own_dtype:  # the applier's specs come from the published dtype, whatever the target holds
+            assert applier.specs["v"].dtype == "BF16"
+        with Publisher(live, store, dtype=dtype, anchor_every=100) as pub, Subscriber(store, applier) as sub:
+            for step in range(4):
+                for tensor in live.values():
+                    flat = tensor.view(-1)
+                    flat[torch.randint(0, flat.numel(), (flat.numel() // (2 if step == 2 else 40) + 1,))] += 0.25
+                pub.publish(step, block=True)
+                pub.flush()
+                sub.update()
+                for name, tensor in live.items():
+                    want = tensor if own_dtype else tensor.to(torch.bfloat16)
+                    got = targets[name].to(want.dtype).contiguous()
+                    assert torch.equal(bits_view(got), bits_view(want.contiguous())), name  # bit for bit
+        assert sub.version == pub.version == 3
 
     def test_late_replica_starts_from_anchor(self) -> None:
         store = MemoryStore("late")
@@ -346,3 +383,21 @@ def test_waiting_on_a_run_of_another_model_raises_the_mismatch_at_once() -> None
         assert "FingerprintMismatch" in replica.stats.last_error
     finally:
         replica.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_replica_is_written_through_the_staged_path_bit_exactly() -> None:
+    trainer = model()
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+    rep = model(seed=99).to(torch.bfloat16).cuda()
+    store = MemoryStore("cuda-replica")
+    with Publisher(trainer, store, anchor_every=3) as pub, Subscriber(store, TorchModuleApplier(rep)) as sub:
+        for step in range(5):
+            train(trainer, opt)
+            pub.publish(step, block=True)
+            pub.flush()
+            sub.update()
+            for (name, a), b in zip(trainer.named_parameters(), rep.parameters()):
+                assert b.device.type == "cuda"
+                assert torch.equal(a.detach().to(torch.bfloat16).view(torch.int16), b.detach().cpu().view(torch.int16)), name

@@ -32,6 +32,8 @@ class TorchModuleApplier:
         target (`nn.Module` or `Mapping[str, Tensor]`): the receiving weights.
         dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): the
             published dtype; ``None`` takes each tensor's own dtype.
+        stage (`bool`, *optional*): write CPU tensors' patches through the staged
+            path that tensors on an accelerator always take (see :meth:`apply`).
     """
 
     def __init__(
@@ -39,12 +41,14 @@ class TorchModuleApplier:
         target: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
         dtype: torch.dtype | None = torch.bfloat16,
+        stage: bool = False,
     ) -> None:
         if not isinstance(target, (torch.nn.Module, Mapping)):
             raise ConfigError(
                 f"target must be an nn.Module or a mapping of name -> tensor, not {type(target).__name__}",
                 argument="target",
             )
+        self._stage = stage
         self._tensors = dict(published_tensors(target))
         self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
@@ -70,31 +74,72 @@ class TorchModuleApplier:
         return bits_view(picked.to(published)).cpu().numpy()
 
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
-        """Write validated patches in place; call :meth:`validate` first."""
-        with torch.no_grad():
-            for name, patch in decoded.items():
-                self._apply_one(name, patch)
+        """Write validated patches in place; call :meth:`validate` first.
 
-    def _apply_one(self, name: str, patch: Decoded) -> None:
+        Patches of tensors on the CPU are written one by one. The changed elements
+        of tensors on an accelerator are staged: all their indices and values are
+        copied into one pinned host buffer per kind, moved to the device in one
+        asynchronous copy each, and written from there, so the host never waits
+        for the device tensor by tensor (``stage=True`` at construction stages CPU
+        tensors too). Whole tensors (anchors) are large enough to go one by one.
+        """
+        with torch.no_grad():
+            staged: dict[torch.device, list[tuple[str, Decoded]]] = {}
+            for name, patch in decoded.items():
+                device = self._tensors[name].device
+                if patch.indices is not None and (self._stage or device.type != "cpu"):
+                    staged.setdefault(device, []).append((name, patch))
+                else:
+                    self._write(name, _optional(patch.indices), _tensor(patch.values))
+            for device, items in staged.items():
+                self._apply_staged(device, items)
+
+    def _apply_staged(self, device: torch.device, items: list[tuple[str, Decoded]]) -> None:
+        """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``."""
+        pinned = device.type == "cuda"
+        sizes = {"idx": 0, 2: 0, 4: 0}
+        spans = []
+        for name, patch in items:
+            width = self.specs[name].torch_dtype.itemsize
+            n_idx = 0 if patch.indices is None else len(patch.indices)
+            spans.append((sizes["idx"], n_idx, width, sizes[width], len(patch.values)))
+            sizes["idx"] += n_idx
+            sizes[width] += len(patch.values)
+        dtypes = {"idx": torch.int64, 2: torch.int16, 4: torch.int32}
+        host = {key: torch.empty(n, dtype=dtypes[key], pin_memory=pinned) for key, n in sizes.items() if n}
+        for (_, patch), (at, n_idx, width, v_at, n_val) in zip(items, spans):
+            if patch.indices is not None:
+                host["idx"][at : at + n_idx] = _tensor(patch.indices)
+            host[width][v_at : v_at + n_val] = _tensor(patch.values).view(dtypes[width])
+        moved = {key: buffer.to(device, non_blocking=pinned) for key, buffer in host.items()}
+        for (name, patch), (at, n_idx, width, v_at, n_val) in zip(items, spans):
+            indices = None if patch.indices is None else moved["idx"][at : at + n_idx]
+            self._write(name, indices, moved[width][v_at : v_at + n_val])
+
+    def _write(self, name: str, indices: torch.Tensor | None, values: torch.Tensor) -> None:
+        """Write bit patterns ``values`` (at flat ``indices``, or all) into tensor ``name`` on its device."""
         tensor = self._tensors[name]
         published = self.specs[name].torch_dtype
-        values = _tensor(patch.values).view(published).to(tensor.device)
+        values = values.view(published).to(tensor.device)
         target = tensor.detach()
         if tensor.dtype == published:
             target, values = bits_view(target), bits_view(values)
         else:
             values = values.to(tensor.dtype)
-        if patch.indices is None:
+        if indices is None:
             target.copy_(values.view(target.shape))
         elif target.is_contiguous():
-            target.view(-1).index_copy_(0, _tensor(patch.indices).to(target.device), values)
+            target.view(-1).index_copy_(0, indices.to(target.device), values)
         else:  # a transposed or sliced view: write through its own strides, still in place
-            coords = torch.unravel_index(_tensor(patch.indices).to(target.device), target.shape)
-            target.index_put_(coords, values)
+            target.index_put_(torch.unravel_index(indices.to(target.device), target.shape), values)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The receiving tensors by published name (live views, not copies)."""
         return dict(self._tensors)
+
+
+def _optional(array: np.ndarray | None) -> torch.Tensor | None:
+    return None if array is None else _tensor(array)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
