@@ -104,7 +104,9 @@ def _run_rank(body: Any, rank: int, world: int, init: str, out: str, *args: Any)
     The model and the publisher are dropped, and their reference cycles collected (FSDP's
     hooks hold the model, the model holds process groups), before ``destroy_process_group``:
     a gloo group that survives until interpreter exit aborts the process there (SIGABRT,
-    "terminate called without an active exception"), about one run in four.
+    "terminate called without an active exception"), about one run in four. Objects that still
+    hold a group after that (DDP's reducer, DeepSpeed's module globals) can abort the teardown
+    anyway, so a rank whose work is done and recorded leaves without it.
     """
     import torch.distributed as dist
 
@@ -119,13 +121,13 @@ def _run_rank(body: Any, rank: int, world: int, init: str, out: str, *args: Any)
     finally:
         gc.collect()
         dist.destroy_process_group()
-        if "deepspeed" in sys.modules and not failed:
-            # DeepSpeed keeps process groups of its own in module globals, which nothing destroys: their gloo
-            # threads abort the interpreter's teardown now and then. The work is done and recorded (or its
-            # failure is, above): leave without that teardown.
+        if not failed:
+            # Whatever still holds a gloo group (DDP's reducer, DeepSpeed's process groups in module
+            # globals) can abort the interpreter's teardown now and then. The work is done and recorded:
+            # leave without that teardown. A failure is raised above, for the spawner to report.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if failed else 0)
+            os._exit(0)
 
 
 def rank_main(
