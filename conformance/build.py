@@ -24,7 +24,6 @@ and times, so it replaces the suite rather than reproducing it byte for byte.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from check import digests  # noqa: E402
 
 from deltasync import Publisher  # noqa: E402
+from deltasync.digests import hasher, hexdigest  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
 
 Weights = dict[str, torch.Tensor]
@@ -287,13 +287,6 @@ def _file(header_text: str, body: bytes) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded + body
 
 
-def _hasher(algorithm: str, data: bytes = b"") -> Any:
-    """A hash of the digest ``algorithm`` a file or reference names (format 1: sha256; 2: blake3)."""
-    import blake3
-
-    return hashlib.sha256(data) if algorithm == "sha256" else blake3.blake3(data)
-
-
 def _entry_range(data: bytes, key: str) -> tuple[int, int]:
     header, _ = _header(data)
     length = struct.unpack("<Q", data[:8])[0]
@@ -311,7 +304,7 @@ def _rehash(store: Path, key: str, *, size: int | None = None) -> None:
             if ref["key"] == key:
                 ref["size"] = len(data) if size is None else size
                 algorithm = "sha256" if "sha256" in ref else "blake3"
-                ref[algorithm] = _hasher(algorithm, data).hexdigest()
+                ref[algorithm] = hexdigest([data], algorithm)
                 ref.pop("header", None)  # a header reference would describe the old bytes
     (store / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
 
@@ -322,7 +315,7 @@ def _set_entry_digest(data: bytes, tensor: str) -> bytes:
     tensors = json.loads(header["__metadata__"]["tensors"])
     keys = sorted(k for k in header if k != "__metadata__" and k.rsplit("::", 1)[0] == tensor)
     algorithm = "sha256" if "sha256" in tensors[tensor] else "blake3"
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     for key in keys:
         start, stop = header[key]["data_offsets"]
         h.update(body[start:stop])

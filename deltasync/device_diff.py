@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -158,10 +159,11 @@ class _Outputs:
         self.dtypes = [t.dtype for t in published]
         self.width = [t.element_size() for t in published]
         size = {"idx": 0, ("new", 2): 0, ("new", 4): 0, ("old", 2): 0, ("old", 4): 0}
-        self.start: list[dict[str, int]] = []  # per tensor: where its results start in each buffer
+        # Per tensor: where its results start in each of its buffers (indices, new and old bits of its width).
+        self.start: list[dict[Any, int]] = []
         for i, n in enumerate(nnz):
             w = self.width[i]
-            self.start.append({"idx": size["idx"], "new": size["new", w], "old": size["old", w]})
+            self.start.append({key: size[key] for key in ("idx", ("new", w), ("old", w))})
             if i in dense:
                 size["new", w] += specs[i].numel
             elif n:
@@ -175,16 +177,15 @@ class _Outputs:
         }
 
     def whole(self, i: int, live: torch.Tensor) -> None:
-        at = self.start[i]["new"]
-        target = self.buffers["new", self.width[i]][at : at + self.specs[i].numel]
+        key = ("new", self.width[i])
+        at = self.start[i][key]
+        target = self.buffers[key][at : at + self.specs[i].numel]
         target.view(self.dtypes[i]).copy_(live.detach().reshape(-1))  # cast in the copy
 
     def changes(self, i: int, hit: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
-        w, done, n = self.width[i], self.filled[i], hit.numel()
-        for key, buffer, part in (("idx", self.buffers["idx"], hit), ("new", self.buffers["new", w], new),
-                                  ("old", self.buffers["old", w], old)):
-            at = self.start[i][key] + done
-            buffer[at : at + n] = part
+        done, n = self.filled[i], hit.numel()
+        for (key, start), part in zip(self.start[i].items(), (hit, new, old)):
+            self.buffers[key][start + done : start + done + n] = part
         self.filled[i] += n
 
     def to_host(self) -> list[DeviceChange]:
@@ -198,11 +199,11 @@ class _Outputs:
             torch.cuda.current_stream(self.device).synchronize()  # wait 2: every copy above has landed
         out = []
         for i, n in enumerate(self.nnz):
-            w, at = self.width[i], self.start[i]
             if i in self.dense:
-                out.append(DeviceChange(i, n, None, host["new", w][at["new"] : at["new"] + self.specs[i].numel], None))
+                key = ("new", self.width[i])
+                at = self.start[i][key]
+                out.append(DeviceChange(i, n, None, host[key][at : at + self.specs[i].numel], None))
             elif n:
-                idx, new, old = (host[k][at[part] : at[part] + n] for k, part in (("idx", "idx"), (("new", w), "new"),
-                                                                                  (("old", w), "old")))
+                idx, new, old = (host[key][start : start + n] for key, start in self.start[i].items())
                 out.append(DeviceChange(i, n, idx, new, old))
         return out

@@ -101,7 +101,7 @@ class Fetcher:
                         out.add(ref.key)
         return out
 
-    def prefetch(self, plan: Plan) -> dict[str, Future[bytes | Fetched]]:
+    def prefetch(self, plan: Plan) -> dict[str, Future[bytes | memoryview | Fetched]]:
         """Start downloading every object of ``plan``; results by key (verified on completion).
 
         With ``only``, objects whose manifest reference allows it are read by range:
@@ -116,7 +116,7 @@ class Fetcher:
     def _ranged(self, ref: ObjectRef) -> bool:
         return self.only is not None and can_read_ranges(ref)
 
-    def _download(self, ref: ObjectRef) -> bytes:
+    def _download(self, ref: ObjectRef) -> bytes | memoryview:
         try:
             data = self.store.get_buffer(ref.key, max_bytes=ref.size)
         except IntegrityError:
@@ -148,7 +148,7 @@ class Fetcher:
     # ------------------------------------------------------------------ checks
 
     def check_and_decode(
-        self, step: Step, blobs: list[bytes | Fetched], previous_version: int | None
+        self, step: Step, blobs: list[bytes | memoryview | Fetched], previous_version: int | None
     ) -> dict[str, Decoded]:
         """Validate every file of one version against the replica and the manifest's claim, and
         decode it all (or the tensors range-read from it); nothing is written. Refused objects

@@ -95,26 +95,27 @@ class TorchModuleApplier:
                 self._apply_staged(device, items)
 
     def _apply_staged(self, device: torch.device, items: list[tuple[str, Decoded]]) -> None:
-        """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``."""
+        """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``.
+
+        Every patch here has indices, one value per index."""
         pinned = device.type == "cuda"
         sizes = {"idx": 0, 2: 0, 4: 0}
-        spans = []
+        spans = []  # per patch: its width, and where its indices and its values start
         for name, patch in items:
             width = self.specs[name].torch_dtype.itemsize
-            n_idx = 0 if patch.indices is None else len(patch.indices)
-            spans.append((sizes["idx"], n_idx, width, sizes[width], len(patch.values)))
-            sizes["idx"] += n_idx
-            sizes[width] += len(patch.values)
+            spans.append((width, sizes["idx"], sizes[width]))
+            sizes["idx"] += len(patch.indices)
+            sizes[width] += len(patch.indices)
         dtypes = {"idx": torch.int64, 2: torch.int16, 4: torch.int32}
         host = {key: torch.empty(n, dtype=dtypes[key], pin_memory=pinned) for key, n in sizes.items() if n}
-        for (_, patch), (at, n_idx, width, v_at, n_val) in zip(items, spans):
-            if patch.indices is not None:
-                host["idx"][at : at + n_idx] = _tensor(patch.indices)
-            host[width][v_at : v_at + n_val] = _tensor(patch.values).view(dtypes[width])
+        for (_, patch), (width, at, v_at) in zip(items, spans):
+            n = len(patch.indices)
+            host["idx"][at : at + n] = _tensor(patch.indices)
+            host[width][v_at : v_at + n] = _tensor(patch.values).view(dtypes[width])
         moved = {key: buffer.to(device, non_blocking=pinned) for key, buffer in host.items()}
-        for (name, patch), (at, n_idx, width, v_at, n_val) in zip(items, spans):
-            indices = None if patch.indices is None else moved["idx"][at : at + n_idx]
-            self._write(name, indices, moved[width][v_at : v_at + n_val])
+        for (name, patch), (width, at, v_at) in zip(items, spans):
+            n = len(patch.indices)
+            self._write(name, moved["idx"][at : at + n], moved[width][v_at : v_at + n])
 
     def _write(self, name: str, indices: torch.Tensor | None, values: torch.Tensor) -> None:
         """Write bit patterns ``values`` (at flat ``indices``, or all) into tensor ``name`` on its device."""
