@@ -10,7 +10,8 @@ median of ``--repeats`` runs with the spread (min, max):
 |---|---|---|
 | diff on the training thread | ``diff`` of the masters against the snapshot (off the CPU: the device path) | cast + ``ne`` + ``nonzero`` over all weights |
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
-| replica decode | ``decode`` of the delta (default codec) against the replica, on all threads and on one | zstd-decompressing the same delta's parts |
+| replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids |
+| decode, batched base reads | the same through the path of a replica on an accelerator (``stage=True``): every base of the file in one read, and how many reads | the same |
 | replica apply | ``TorchModuleApplier.apply`` (on an accelerator: staged) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | the same with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
@@ -48,6 +49,7 @@ from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEFAULT_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
+from deltasync.tensors import bits_view  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -175,13 +177,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = encode_delta(changes, version=1, base_version=0)
         header = read_header(data)
         decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
-        t_decode = spread(lambda: decode(data, base=decoder.lookup), args.repeats, device)
+
+        def replica_decode(applier: TorchModuleApplier = decoder) -> Any:  # as a Subscriber calls it
+            return decode(data, base=applier.lookup, base_many=applier.lookup_many)
+
+        t_decode = spread(replica_decode, args.repeats, device)
         parallel.WORKERS, threads = 1, parallel.WORKERS  # the same decode on one thread: the per-core figure
         try:
-            t_decode_one = spread(lambda: decode(data, base=decoder.lookup), args.repeats, device)
+            t_decode_one = spread(replica_decode, args.repeats, device)
         finally:
             parallel.WORKERS = threads
-        _, patches = decode(data, base=decoder.lookup)
+        # The path of a replica on an accelerator: every base of the file read in one batched call.
+        batched = TorchModuleApplier(decoder.state(), stage=True)
+        assert batched.lookup_many is not None
+        base_reads = {"one": 0, "many": 0}
+        one, many = batched.lookup, batched.lookup_many
+
+        def count(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(*args: Any) -> Any:
+                base_reads[kind] += 1
+                return fn(*args)
+            return counted
+
+        batched.lookup, batched.lookup_many = count("one", one), count("many", many)  # type: ignore[method-assign]
+        t_decode_batched = spread(lambda: replica_decode(batched), args.repeats, device)
+        base_reads = {kind: n // args.repeats for kind, n in base_reads.items()}
+        _, patches = replica_decode()
         import safetensors.torch
 
         entries = safetensors.torch.load(bytes(data))
@@ -196,7 +217,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     expected = entry.nnz * width
                 decompress(part.numpy(), expected, key)
 
-        t_floor_decode = spread(floor_decompress, args.repeats, device)
+        t_floor_decompress = spread(floor_decompress, args.repeats, device)
+        # What no base-relative decoder avoids: decompressing, and reading the base at every changed index.
+        held = {n: bits_view(t).view(-1) for n, t in decoder.state().items()}
+        where = {n: torch.from_numpy(p.indices).to(device) for n, p in decode(data, base=decoder.lookup)[1].items()}
+        t_floor_decode = spread(
+            lambda: (floor_decompress(), [held[n].index_select(0, i) for n, i in where.items()]), args.repeats, device
+        )
         on_device = {
             n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
             for n, p in patches.items()
@@ -238,12 +265,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["diff, device path"] = {"deltasync": t_diff_device["median"], "floor": t_floor_diff["median"],
                                      "host_waits": waits, "tensors": len(model.masters), "chunks": chunks,
                                      "spread": [t_diff_device, t_floor_diff]}
-        rows["decode"] = {"deltasync": t_decode["median"], "floor": t_floor_decode["median"],
+        floors = {"floor": t_floor_decode["median"], "floor_decompress": t_floor_decompress["median"]}
+        rows["decode"] = {"deltasync": t_decode["median"], **floors,
                           "changes_per_s": nnz / t_decode["median"], "threads": threads,
-                          "spread": [t_decode, t_floor_decode]}
-        rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], "floor": t_floor_decode["median"],
+                          "spread": [t_decode, t_floor_decode, t_floor_decompress]}
+        rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], **floors,
                                     "changes_per_s": nnz / t_decode_one["median"], "threads": 1,
-                                    "spread": [t_decode_one, t_floor_decode]}
+                                    "spread": [t_decode_one, t_floor_decode, t_floor_decompress]}
+        rows["decode, batched base reads"] = {"deltasync": t_decode_batched["median"], **floors,
+                                              "changes_per_s": nnz / t_decode_batched["median"], "threads": threads,
+                                              "base_reads": base_reads["many"],
+                                              "per_tensor_reads": base_reads["one"], "tensors": len(model.masters),
+                                              "spread": [t_decode_batched, t_floor_decode, t_floor_decompress]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
         rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
@@ -296,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra = f"{row['host_waits']} host waits for {row['tensors']} tensors in {row['chunks']} chunks"
         elif "changes_per_s" in row:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
+            if "base_reads" in row:
+                extra += f"; {row['base_reads']} base read(s) for {row['tensors']} tensors"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
     print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
           f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), "

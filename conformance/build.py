@@ -46,6 +46,7 @@ from check import digests  # noqa: E402
 
 from deltasync import Publisher  # noqa: E402
 from deltasync.digests import hasher, hexdigest  # noqa: E402
+from deltasync.format import read_header  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
 
 Weights = dict[str, torch.Tensor]
@@ -219,18 +220,20 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "dtypes-f16-f32-compact": dtypes_case,
         "anchors-multipart-retired": multipart_retired_case,
         "sharded-2-ranks": sharded,
-        "format-2-blake3": format_2_case,
+        "format-2-blake3": blake3_case,
+        "format-3-value-blake3": blake3_case,
     }
 
 
-FORMAT_1 = (  # written by format 1 writers (SHA-256 digests), kept as they are: what was written stays readable
-    "shapes-bf16-compact", "shapes-bf16-compact-abs", "shapes-bf16-compact-exp", "shapes-bf16-raw",
-    "dtypes-f16-f32-compact", "anchors-multipart-retired", "sharded-2-ranks",
-)
+FROZEN = {  # written by earlier writers and kept as they are: what was written stays readable
+    1: ("shapes-bf16-compact", "shapes-bf16-compact-abs", "shapes-bf16-compact-exp", "shapes-bf16-raw",
+        "dtypes-f16-f32-compact", "anchors-multipart-retired", "sharded-2-ranks"),  # SHA-256 digests
+    2: ("format-2-blake3",),  # BLAKE3 digests for objects, headers and entries; BLAKE2b value digests
+}
 
 
-def format_2_case(root: Path) -> None:
-    """Format 2: BLAKE3 digests for objects, headers and entries; anchors in two parts."""
+def blake3_case(root: Path) -> None:
+    """BLAKE3 digests for objects, headers and entries (and, from format 3, values); anchors in two parts."""
     weights = shapes_model()
     write_case(root, weights, run(root, weights, shapes_steps(weights), anchor_every=1000, part_bytes=64 << 10))
 
@@ -412,8 +415,10 @@ def broken(out: Path, source: Path, suffix: str = "", only: tuple[str, ...] | No
     make("truncated", "IntegrityError", "the object is shorter than the manifest's size", truncate)
     make("wrong-size", "IntegrityError", "the manifest declares a size the object does not have", wrong_size)
     make("corrupt-zstd", "CodecError", "a zstd frame is damaged; every hash matches the damaged bytes", corrupt_zstd)
+    entries = read_header((source / "store" / key).read_bytes()).tensors.values()
+    value_digest = "BLAKE3" if any("blake3" in entry.params for entry in entries) else "BLAKE2b"
     make("forged-value", "IntegrityError", "one value was changed and every hash recomputed: the codec's "
-         "BLAKE2b of the decoded values does not match", forged_value)
+         f"{value_digest} of the decoded values does not match", forged_value)
     make("wrong-fingerprint", "FingerprintMismatch", "the delta names another model", wrong_fingerprint)
     make("duplicate-json-key", "DeltaFormatError", "the header holds __metadata__ twice", duplicate_key)
 
@@ -421,26 +426,27 @@ def broken(out: Path, source: Path, suffix: str = "", only: tuple[str, ...] | No
 def main(argv: list[str]) -> None:
     """Rebuild the golden cases named in ``argv``, or all that current writers produce, and their broken copies.
 
-    The format 1 cases (:data:`FORMAT_1`) and the broken copies of ``shapes-bf16-compact`` were written by
-    format 1 writers and stay as they are: they prove that what was once written stays readable.
+    The cases of earlier formats (:data:`FROZEN`) and their broken copies were written by earlier writers
+    and stay as they are: they prove that what was once written stays readable.
     """
     os.environ.setdefault("DELTASYNC_THREADS", "1")
     cases = golden_cases()
     unknown = set(argv) - set(cases)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; golden cases: {sorted(cases)}")
-    frozen = set(argv) & set(FORMAT_1)
+    kept = {name for names in FROZEN.values() for name in names}
+    frozen = set(argv) & kept
     if frozen:
-        raise SystemExit(f"{sorted(frozen)} were written by format 1 writers and are kept as they are")
-    names = argv or [name for name in cases if name not in FORMAT_1]
+        raise SystemExit(f"{sorted(frozen)} were written by earlier formats' writers and are kept as they are")
+    names = argv or [name for name in cases if name not in kept]
     for name in names:
         shutil.rmtree(ROOT / "golden" / name, ignore_errors=True)
         cases[name](ROOT / "golden" / name)
-    if "format-2-blake3" in names:
-        only = ("flipped-byte", "forged-value")
+    if "format-3-value-blake3" in names:
+        only = ("forged-value",)
         for name in only:
-            shutil.rmtree(ROOT / "broken" / f"{name}-blake3", ignore_errors=True)
-        broken(ROOT / "broken", ROOT / "golden" / "format-2-blake3", suffix="-blake3", only=only)
+            shutil.rmtree(ROOT / "broken" / f"{name}-format-3", ignore_errors=True)
+        broken(ROOT / "broken", ROOT / "golden" / "format-3-value-blake3", suffix="-format-3", only=only)
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

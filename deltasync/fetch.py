@@ -165,12 +165,14 @@ class Fetcher:
             self._refuse(step, *step.objects)
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
         parts = []
+        many = getattr(self.applier, "lookup_many", None)  # an applier's batched base reads, where it has them
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
                 if isinstance(blob, Fetched):
-                    parts.append((header, decode_entries(header, blob.entries, base=self.applier.lookup, names=blob.names)))
+                    parts.append((header, decode_entries(header, blob.entries, base=self.applier.lookup,
+                                                         names=blob.names, base_many=many)))
                 else:
-                    parts.append(decode(blob, base=self.applier.lookup, header=header))
+                    parts.append(decode(blob, base=self.applier.lookup, header=header, base_many=many))
             except DeltaSyncError:
                 self._refuse(step, ref)
                 raise

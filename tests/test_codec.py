@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +181,49 @@ class TestFastPathsMatchReference:
         frame, expected = self.reference_indices(indices, 1)
         assert params == expected and blob.tobytes() == frame
 
+    @settings(max_examples=80, deadline=None)
+    @given(
+        numel=st.sampled_from([1, 300, 70_000, 1 << 20, 10**10]),
+        count=st.integers(0, 3000),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def test_decode_indices_inverts_the_reference_encoder(self, numel: int, count: int, seed: int) -> None:
+        from deltasync.codec.compact import decode_indices
+        from deltasync.tensors import TensorSpec
+
+        rng = np.random.default_rng(seed)
+        indices = np.unique(rng.integers(0, numel, count)).astype(np.int64)
+        frame, params = self.reference_indices(indices, 1)
+        spec = TensorSpec("w", (numel,), "BF16")
+        decoded = decode_indices(np.frombuffer(frame, dtype=np.uint8), params, spec, indices.size)
+        assert decoded.dtype == np.int64
+        np.testing.assert_array_equal(decoded, indices)
+
+    @pytest.mark.parametrize(
+        ("gaps", "side", "params", "match"),
+        [
+            ([255, 0], [2**63 - 1], {"iw": 1, "big": 1}, "out of range"),  # a side gap that would wrap int64
+            ([255, 255], [2**62, 2**62], {"iw": 1, "big": 2}, "out of range"),  # two that sum past it
+            ([255, 3], [5, 6], {"iw": 1, "big": 2}, "escape count"),  # two side gaps, one escape
+            ([254, 3], [], {"iw": 1, "big": 1}, "zstd frame declares"),  # no side list where params promise one
+            ([255, 3], [], {"iw": 1, "big": 0}, "escape count"),  # an escape without a side list
+            ([200, 200], [], {"iw": 1, "big": 0}, "out of range"),  # the sum of plain gaps passes numel
+        ],
+    )
+    def test_decode_indices_refuses_hostile_streams(
+        self, gaps: list[int], side: list[int], params: dict[str, int], match: str
+    ) -> None:
+        import zstandard
+
+        from deltasync.codec.compact import decode_indices
+        from deltasync.errors import CodecError
+        from deltasync.tensors import TensorSpec
+
+        payload = np.array(gaps, dtype=np.uint8).tobytes() + np.array(side, dtype="<u8").tobytes()
+        frame = np.frombuffer(zstandard.ZstdCompressor(write_content_size=True).compress(payload), dtype=np.uint8)
+        with pytest.raises(CodecError, match=match):
+            decode_indices(frame, params, TensorSpec("w", (300,), "BF16"), len(gaps))
+
     @pytest.mark.parametrize("width", [1, 2, 4, 8])
     def test_planes_roundtrip(self, width: int) -> None:
         from deltasync.codec.compact import UNSIGNED as _UNSIGNED
@@ -311,3 +356,60 @@ def test_a_densely_changed_tensor_goes_whole_or_sparse_whichever_is_smaller() ->
     applier.validate(header)
     applier.apply(patches)
     assert all(torch.equal(replica[n].view(torch.int16), weights[n].view(torch.int16)) for n in weights)
+
+
+class TestValueDigest:
+    """Format 3 writers sign values with BLAKE3; files of formats 1 and 2 (BLAKE2b ``sum``) stay readable."""
+
+    @staticmethod
+    def encoded(codec: str = "compact") -> tuple[Any, Any, Any, Any]:
+        from deltasync.codec.compact import values_digest
+        from deltasync.diff import TensorChange
+        from deltasync.tensors import TensorSpec
+
+        rng = np.random.default_rng(1)
+        base = rng.integers(-(2**15), 2**15, 5000, dtype=np.int16)
+        indices = np.sort(rng.choice(5000, 70, replace=False)).astype(np.int64)
+        new = base[indices] + 1
+        spec = TensorSpec("w", (5000,), "BF16")
+        change = TensorChange(spec, torch.from_numpy(indices), torch.from_numpy(new), torch.from_numpy(base[indices]),
+                              indices.size, torch.from_numpy(base))
+        encoded = get_codec(codec).encode(change, level=1)
+        assert encoded.params["blake3"] == values_digest(new) and "sum" not in encoded.params
+        return encoded, spec, (lambda name, where: base[where]), new
+
+    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp"])
+    def test_blake3_is_written_and_checked(self, codec: str) -> None:
+        import blake3
+
+        encoded, spec, lookup, new = self.encoded(codec)
+        assert encoded.params["blake3"] == blake3.blake3(new.tobytes()).hexdigest()[:16]  # the first 8 bytes
+        decoded = get_codec(codec).decode(encoded.parts, encoded.params, spec, new.size, lookup)
+        np.testing.assert_array_equal(decoded.values, new)
+
+    def test_blake2b_sum_of_earlier_formats_is_checked(self) -> None:
+        import hashlib
+
+        encoded, spec, lookup, new = self.encoded()
+        legacy = {k: v for k, v in encoded.params.items() if k != "blake3"}
+        legacy["sum"] = hashlib.blake2b(new.tobytes(), digest_size=8).hexdigest()
+        decoded = get_codec("compact").decode(encoded.parts, legacy, spec, new.size, lookup)
+        np.testing.assert_array_equal(decoded.values, new)
+
+    @pytest.mark.parametrize(
+        "change",
+        [
+            {"blake3": None},  # no digest at all
+            {"blake3": "0" * 16},  # a wrong one
+            {"sum": "0" * 16},  # a right BLAKE3 beside a wrong BLAKE2b: every digest present must hold
+            {"blake3": 12345},  # not a string
+        ],
+    )
+    def test_missing_or_wrong_digests_are_integrity_errors(self, change: dict[str, Any]) -> None:
+        from deltasync.errors import IntegrityError
+
+        encoded, spec, lookup, new = self.encoded()
+        params = {**encoded.params, **change}
+        params = {k: v for k, v in params.items() if v is not None}
+        with pytest.raises(IntegrityError, match="do not match"):
+            get_codec("compact").decode(encoded.parts, params, spec, new.size, lookup)

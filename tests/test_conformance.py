@@ -86,6 +86,9 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
             seen["codec", entry.codec] += 1
             seen["dtype", entry.spec.dtype] += 1
             seen["dims", len(entry.spec.shape)] += 1
+            for key in ("sum", "blake3"):
+                if key in entry.params:
+                    seen["value digest", header.format_version, key] += 1
             if "iw" in entry.params:
                 seen["gap bytes", entry.params["iw"], "escapes" if entry.params["big"] else "plain"] += 1
             if entry.rows is not None:
@@ -100,7 +103,9 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
         *[("dims", d) for d in range(5)],
         ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),
         ("gap bytes", 4, "plain"), ("shard rows",), ("zero elements", "anchor"), ("non-ascii name",),
-        ("format", 1), ("format", 2), ("entry digest", 1, "sha256"), ("entry digest", 2, "blake3"),
+        ("format", 1), ("format", 2), ("format", 3), ("entry digest", 1, "sha256"), ("entry digest", 2, "blake3"),
+        ("entry digest", 3, "blake3"), ("value digest", 1, "sum"), ("value digest", 2, "sum"),
+        ("value digest", 3, "blake3"),
     ]:
         assert seen[need if len(need) > 1 else need[0]], f"no golden file has {need}"
     manifests = {p.parent.parent.name: json.loads(p.read_text()) for p in ROOT.glob("golden/*/store/manifest.json")}

@@ -70,7 +70,7 @@ class TestHeader:
     def test_metadata_is_self_describing(self) -> None:
         data, _, _ = make_delta()
         meta = raw_header(data)["__metadata__"]
-        assert meta["format"] == "deltasync" and meta["format_version"] == "2"
+        assert meta["format"] == "deltasync" and meta["format_version"] == "3"
         assert meta["kind"] == "delta" and meta["version"] == "2" and meta["base_version"] == "1"
         header = read_header(data)
         assert header.nnz == 5 and header.numel == 104
@@ -112,13 +112,13 @@ class TestGolden:
         # safetensors orders metadata keys freely, so compare the parsed header and the body bytes.
         data, _, _ = make_delta("raw")
         golden = (GOLDEN / "delta_v1_raw.safetensors").read_bytes()
-        # Files written since carry a BLAKE3 digest per tensor (for range reads) and format version 2;
-        # the rest is unchanged.
+        # Files written since carry a BLAKE3 digest per tensor (for range reads) and a later format
+        # version; the rest of a raw file is unchanged.
         header = raw_header(data)
         entries = json.loads(header["__metadata__"]["tensors"])
         found = {name: entry.pop("blake3") for name, entry in entries.items()}
         header["__metadata__"]["tensors"] = json.dumps(entries, separators=(",", ":"))
-        assert header["__metadata__"].pop("format_version") == "2"
+        assert header["__metadata__"].pop("format_version") == "3"
         old = raw_header(golden)
         assert old["__metadata__"].pop("format_version") == "1"
         assert header == old
@@ -195,7 +195,7 @@ class TestRefusals:
 
     def test_future_format_version(self) -> None:
         data, _, _ = make_delta()
-        newer = rebuild(data, lambda t, m: m.update(format_version="3"))
+        newer = rebuild(data, lambda t, m: m.update(format_version="4"))
         with pytest.raises(DeltaFormatError, match="upgrade deltasync"):
             read_header(newer)
 
@@ -321,20 +321,24 @@ def _shards(
     return anchors, deltas, base, target
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per-tensor", "batched"])
 @pytest.mark.parametrize("flat", [False, True], ids=["rows", "elements"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("codec", ["compact", "raw", "compact-exp"])
-def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool) -> None:
+def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool, batched: bool) -> None:
+    """Shard files, decoded with per-tensor base reads or with one batched read per file (as a replica
+    on an accelerator does): a shard's indices are shifted to the full tensor's either way."""
     from deltasync.format import combine
 
     anchors, deltas, base, target = _shards(world, codec, flat)
     replica = {n: torch.zeros_like(t) for n, t in base.items()}
-    applier = TorchModuleApplier(replica)
+    applier = TorchModuleApplier(replica, stage=batched)
     for files, whole in ((anchors, True), (deltas, False)):
         headers = [read_header(f) for f in files]
         for header in headers:
             applier.validate(header)  # full shapes and the full model's fingerprint in every shard
-        applier.apply(combine([decode(f, base=applier.lookup) for f in files], whole=whole))
+        applier.apply(combine([decode(f, base=applier.lookup, base_many=applier.lookup_many) for f in files],
+                              whole=whole))
     for name in target:
         assert torch.equal(replica[name].view(torch.int16), target[name].view(torch.int16))
 

@@ -29,17 +29,18 @@ from ..diff import TensorChange
 from ..errors import CodecError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import BaseLookup, Decoded, Encoded, Params, Parts, check_part, to_numpy
+from .base import BaseLookup, Decoded, Encoded, Params, Parts, Pending, check_part, to_numpy
 from .compact import (
     SIGNED,
     UNSIGNED,
     CompactCodec,
+    check_values,
     decode_indices,
     encode_indices,
     planes,
+    sign_values,
     unplanes,
     unzigzag,
-    values_digest,
     zigzag,
 )
 
@@ -97,11 +98,14 @@ class CompactExpCodec(CompactCodec):
         new, base = to_numpy(change.values), to_numpy(change.base)
         unsigned = UNSIGNED[new.dtype.itemsize]
         steps = zigzag((new.view(unsigned) - base.view(unsigned)).view(new.dtype)[by_rank])
-        params["sum"] = values_digest(new)  # in index order, as compact's
+        sign_values(params, new)  # in index order, as compact's
         return Encoded(
             parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(planes(steps), level))},
             params=params,
         )
+
+    def prepare(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending | None:
+        return None  # positions need every base value of the tensor first: decode goes in one go
 
     def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
         if base is None:
@@ -120,5 +124,5 @@ class CompactExpCodec(CompactCodec):
         indices = where[by_index]
         unsigned = UNSIGNED[width]
         values = (base_all[indices].view(unsigned) + unzigzag(steps[by_index]).view(unsigned)).view(SIGNED[width])
-        self._check_digest(values, params, spec)
+        check_values(values, params, spec)
         return Decoded(indices, values)

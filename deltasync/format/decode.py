@@ -15,7 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ..codec import BaseLookup, Decoded, get_codec
+from ..codec import BaseLookup, BatchLookup, Decoded, Pending, get_codec
 from ..errors import CodecError, DeltaFormatError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
@@ -25,7 +25,11 @@ __all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
 
 def decode(
-    data: bytes | memoryview, *, base: BaseLookup | None = None, header: Header | None = None
+    data: bytes | memoryview,
+    *,
+    base: BaseLookup | None = None,
+    header: Header | None = None,
+    base_many: BatchLookup | None = None,
 ) -> tuple[Header, dict[str, Decoded]]:
     """Decode every tensor of a delta or anchor, validating all of it, writing nothing.
 
@@ -34,6 +38,9 @@ def decode(
         base (`BaseLookup`, *optional*): reads the receiver's current bit patterns,
             required by base-relative codecs such as ``compact``.
         header (`Header`, *optional*): the already parsed header, to skip re-parsing.
+        base_many (`BatchLookup`, *optional*): reads the bases of many tensors at once; with it,
+            the codecs that can split their decode read every base of the file in one call
+            (see :func:`decode_entries`).
 
     Returns:
         `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
@@ -46,7 +53,7 @@ def decode(
             base-relative decode did not reproduce the publisher's values.
     """
     header = header or read_header(data)
-    return header, decode_entries(header, file_entries(data), base=base)
+    return header, decode_entries(header, file_entries(data), base=base, base_many=base_many)
 
 
 def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -97,11 +104,17 @@ def decode_entries(
     *,
     base: BaseLookup | None = None,
     names: Collection[str] | None = None,
+    base_many: BatchLookup | None = None,
 ) -> dict[str, Decoded]:
     """Decode the tensors ``names`` (default: all the header lists) from their safetensors entries.
 
     ``entries`` must hold exactly the entries of those tensors (``T`` for an anchor,
     ``T::part`` for a delta): the whole file's, or what a range reader fetched.
+
+    With ``base_many``, base-relative tensors decode in two halves (:meth:`Codec.prepare`):
+    every tensor's indices first, on a few threads; then one ``base_many`` call for all
+    their bases (a receiver on an accelerator answers it with one round trip, not one
+    per tensor); then the values and their digests, on the threads again.
 
     Raises:
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
@@ -151,8 +164,36 @@ def decode_entries(
             raise
         return _place(patch, entry)
 
+    def first_half(name: str) -> Decoded | Pending:
+        entry = wanted[name]
+        if base_many is not None and codecs[name].needs_base:
+            pending = codecs[name].prepare(grouped[name], entry.params, entry.local_spec, entry.nnz)
+            if pending is not None:
+                return pending
+        return decode_one(name)
+
+    def second_half(name: str, pending: Pending, current: np.ndarray) -> Decoded:
+        try:
+            patch = pending.finish(current)
+        except IntegrityError as exc:
+            _blame(name, wanted[name], grouped[name], exc)
+            raise
+        return _place(patch, wanted[name])
+
     names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
-    return dict(zip(names, map_shared(decode_one, names, [wanted[n].nnz for n in names])))
+    results = dict(zip(names, map_shared(first_half, names, [wanted[n].nnz for n in names])))
+    pending = {name: found for name, found in results.items() if isinstance(found, Pending)}
+    if pending:
+        assert base_many is not None
+        shift = {name: wanted[name].offset for name in pending}  # a shard's indices, in the full tensor
+        bases = base_many({name: p.indices + shift[name] if shift[name] else p.indices for name, p in pending.items()})
+        missing = sorted(pending.keys() - bases.keys())
+        if missing:
+            raise CodecError(f"{missing[0]}: base lookup returned nothing for it", name=missing[0])
+        later = list(pending)
+        done = map_shared(lambda n: second_half(n, pending[n], bases[n]), later, [wanted[n].nnz for n in later])
+        results.update(zip(later, done))
+    return {name: found for name, found in results.items() if isinstance(found, Decoded)}
 
 
 def _blame(name: str, entry: TensorEntry, parts: Mapping[str, torch.Tensor], exc: IntegrityError) -> None:

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "deltasync"
-FORMAT_VERSION = 2  # 2: BLAKE3 entry digests (readers accept 1 and 2; docs/FORMAT.md, "Versions")
+FORMAT_VERSION = 3  # 2: BLAKE3 entry digests; 3: BLAKE3 value digests (readers accept 1 to 3; docs/FORMAT.md, "Versions")
 # Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
 MAX_HEADER_BYTES = 64 << 20
 
