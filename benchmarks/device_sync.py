@@ -11,7 +11,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | diff on the training thread | ``diff`` of the masters against the snapshot (off the CPU: the device path) | cast + ``ne`` + ``nonzero`` over all weights |
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
 | replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids |
-| decode, batched base reads | the same through the path of a replica on an accelerator (``stage=True``): every base of the file in one read, and how many reads | the same |
+| decode, device path | the same through the path of a replica on an accelerator (``stage=True`` on a CPU): rebuilt on the weights' device, and how many times the host waits | the same |
 | replica apply | ``TorchModuleApplier.apply`` (on an accelerator: staged) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | the same with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
@@ -45,6 +45,7 @@ from _common import human_bytes, results_dir, shared_machine, table, write_json 
 
 from deltasync import Publisher, Subscriber, parallel  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEFAULT_CHUNK, Snapshot, diff  # noqa: E402
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
 
         def replica_decode(applier: TorchModuleApplier = decoder) -> Any:  # as a Subscriber calls it
-            return decode(data, base=applier.lookup, base_many=applier.lookup_many)
+            return decode(data, base=applier.lookup, on_device=applier.on_device)
 
         t_decode = spread(replica_decode, args.repeats, device)
         parallel.WORKERS, threads = 1, parallel.WORKERS  # the same decode on one thread: the per-core figure
@@ -187,21 +188,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t_decode_one = spread(replica_decode, args.repeats, device)
         finally:
             parallel.WORKERS = threads
-        # The path of a replica on an accelerator: every base of the file read in one batched call.
-        batched = TorchModuleApplier(decoder.state(), stage=True)
-        assert batched.lookup_many is not None
-        base_reads = {"one": 0, "many": 0}
-        one, many = batched.lookup, batched.lookup_many
-
-        def count(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-            def counted(*args: Any) -> Any:
-                base_reads[kind] += 1
-                return fn(*args)
-            return counted
-
-        batched.lookup, batched.lookup_many = count("one", one), count("many", many)  # type: ignore[method-assign]
-        t_decode_batched = spread(lambda: replica_decode(batched), args.repeats, device)
-        base_reads = {kind: n // args.repeats for kind, n in base_reads.items()}
+        # The path of a replica on an accelerator: rebuilt where the weights live, one host wait per file.
+        rebuilt = TorchModuleApplier(decoder.state(), stage=True)
+        t_decode_device = spread(lambda: replica_decode(rebuilt), args.repeats, device)
+        decode_waits = device_decode.host_waits()
+        replica_decode(rebuilt)
+        decode_waits = device_decode.host_waits() - decode_waits
         _, patches = replica_decode()
         import safetensors.torch
 
@@ -272,11 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], **floors,
                                     "changes_per_s": nnz / t_decode_one["median"], "threads": 1,
                                     "spread": [t_decode_one, t_floor_decode, t_floor_decompress]}
-        rows["decode, batched base reads"] = {"deltasync": t_decode_batched["median"], **floors,
-                                              "changes_per_s": nnz / t_decode_batched["median"], "threads": threads,
-                                              "base_reads": base_reads["many"],
-                                              "per_tensor_reads": base_reads["one"], "tensors": len(model.masters),
-                                              "spread": [t_decode_batched, t_floor_decode, t_floor_decompress]}
+        rows["decode, device path"] = {"deltasync": t_decode_device["median"], **floors,
+                                       "changes_per_s": nnz / t_decode_device["median"], "threads": threads,
+                                       "host_waits": decode_waits, "tensors": len(model.masters),
+                                       "spread": [t_decode_device, t_floor_decode, t_floor_decompress]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
         rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
@@ -325,12 +316,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         extra = ""
         if "gb_per_s" in row:
             extra = f"{row['gb_per_s']:.2f} GB/s, {row['files']} file(s)"
-        elif "host_waits" in row:
+        elif "chunks" in row:
             extra = f"{row['host_waits']} host waits for {row['tensors']} tensors in {row['chunks']} chunks"
         elif "changes_per_s" in row:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
-            if "base_reads" in row:
-                extra += f"; {row['base_reads']} base read(s) for {row['tensors']} tensors"
+            if "host_waits" in row:
+                extra += f"; {row['host_waits']} host wait(s) for {row['tensors']} tensors"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
     print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
           f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), "

@@ -35,7 +35,7 @@ import torch
 
 from .tensors import TensorSpec
 
-__all__ = ["DeviceChange", "changes_on_device", "host_waits"]
+__all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits"]
 
 _BITS = {2: torch.int16, 4: torch.int32}
 
@@ -56,8 +56,8 @@ class DeviceChange:
     """Old bit patterns at ``indices``; ``None`` when carried whole."""
 
 
-class _Waits:
-    """How many times this process waited for a device's results in :func:`changes_on_device`."""
+class WaitCounter:
+    """How many times this process waited for a device's results in one device path (callable: the count)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -66,7 +66,7 @@ class _Waits:
         return self.count
 
 
-host_waits = _Waits()
+host_waits = WaitCounter()
 """``host_waits()``: the waits so far (two per call of :func:`changes_on_device` that found changes)."""
 
 

@@ -165,14 +165,14 @@ class Fetcher:
             self._refuse(step, *step.objects)
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
         parts = []
-        many = getattr(self.applier, "lookup_many", None)  # an applier's batched base reads, where it has them
+        on_device = getattr(self.applier, "on_device", None)  # a receiver on an accelerator: rebuild there
         for ref, blob, header in zip(step.objects, blobs, headers):
             try:
                 if isinstance(blob, Fetched):
                     parts.append((header, decode_entries(header, blob.entries, base=self.applier.lookup,
-                                                         names=blob.names, base_many=many)))
+                                                         names=blob.names, on_device=on_device)))
                 else:
-                    parts.append(decode(blob, base=self.applier.lookup, header=header, base_many=many))
+                    parts.append(decode(blob, base=self.applier.lookup, header=header, on_device=on_device))
             except DeltaSyncError:
                 self._refuse(step, ref)
                 raise

@@ -78,6 +78,47 @@ def test_roundtrip_is_bit_exact(codec: str, case: tuple[str, np.ndarray, np.ndar
     roundtrip(*case, codec=codec)
 
 
+@pytest.mark.parametrize("codec", ["compact", "compact-abs"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=scenarios(), offset=st.sampled_from([0, 5]))
+def test_the_device_path_rebuilds_what_the_host_path_does(
+    codec: str, case: tuple[str, np.ndarray, np.ndarray], offset: int
+) -> None:
+    """:mod:`deltasync.codec.device` on CPU tensors against the host decoder, bit for bit: every dtype,
+    change pattern and special value, escapes, and a shard's offset into a longer tensor."""
+    dtype, base, target = case
+    torch_dtype, bits = DTYPES[dtype]
+    changes = diff(Snapshot.capture({"w": torch.from_numpy(base.copy()).view(torch_dtype)}, dtype=None),
+                   {"w": torch.from_numpy(target.copy()).view(torch_dtype)})
+    data = encode_delta(changes, version=5, base_version=4, codec=codec)
+    host_replica = TorchModuleApplier({"w": torch.from_numpy(base.copy()).view(torch_dtype)}, dtype=None)
+    _, host = decode(data, base=host_replica.lookup)
+    if offset:  # the same tensor as the tail of a longer one (a shard), read where the shard starts
+        from deltasync.codec.device import decode_on_device, streams_of
+        from deltasync.format import read_header
+        from deltasync.format.decode import file_entries
+
+        entry = read_header(data).tensors.get("w")
+        if entry is None or entry.codec not in ("compact", "compact-abs"):
+            return
+        longer = np.concatenate([np.zeros(offset, dtype=base.dtype), base])
+        receiver = TorchModuleApplier({"w": torch.from_numpy(longer).view(torch_dtype)}, dtype=None, stage=True)
+        parts = {k.split("::")[1]: v for k, v in file_entries(data).items()}
+        dev = decode_on_device([streams_of("w", codec, parts, entry.params, entry.local_spec, entry.nnz, offset)],
+                               receiver)
+        np.testing.assert_array_equal(dev["w"].indices.numpy(), host["w"].indices + offset)
+        np.testing.assert_array_equal(dev["w"].values.numpy(), host["w"].values)
+        return
+    receiver = TorchModuleApplier({"w": torch.from_numpy(base.copy()).view(torch_dtype)}, dtype=None, stage=True)
+    _, dev = decode(data, base=receiver.lookup, on_device=receiver)
+    assert dev.keys() == host.keys()
+    for name, patch in host.items():
+        if patch.indices is not None:  # sparse: rebuilt on the device; a dense tensor decodes on the host
+            assert isinstance(dev[name].values, torch.Tensor) and dev[name].values.dtype == bits
+            np.testing.assert_array_equal(dev[name].indices.numpy(), patch.indices)
+        np.testing.assert_array_equal(np.asarray(dev[name].values), patch.values)
+
+
 @pytest.mark.parametrize("codec", SPARSE_CODECS)
 def test_gaps_beyond_uint16_and_uint32_escapes(codec: str) -> None:
     numel = (1 << 17) + 5
@@ -221,8 +262,18 @@ class TestFastPathsMatchReference:
 
         payload = np.array(gaps, dtype=np.uint8).tobytes() + np.array(side, dtype="<u8").tobytes()
         frame = np.frombuffer(zstandard.ZstdCompressor(write_content_size=True).compress(payload), dtype=np.uint8)
+        spec = TensorSpec("w", (300,), "BF16")
         with pytest.raises(CodecError, match=match):
-            decode_indices(frame, params, TensorSpec("w", (300,), "BF16"), len(gaps))
+            decode_indices(frame, params, spec, len(gaps))
+        # The device path refuses the same streams (flags checked at its one wait, nothing read out of bounds).
+        from deltasync.codec.device import decode_on_device, streams_of
+
+        values = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(2 * len(gaps)))
+        parts = {"idx": torch.from_numpy(frame.copy()), "val": torch.frombuffer(bytearray(values), dtype=torch.uint8)}
+        receiver = TorchModuleApplier({"w": torch.zeros(300, dtype=torch.bfloat16)}, stage=True)
+        with pytest.raises(CodecError, match="zstd frame declares" if "zstd" in match else "hostile index stream"):
+            for codec in ("compact", "compact-abs"):
+                decode_on_device([streams_of("w", codec, parts, params, spec, len(gaps), 0)], receiver)
 
     @pytest.mark.parametrize("width", [1, 2, 4, 8])
     def test_planes_roundtrip(self, width: int) -> None:
@@ -413,3 +464,76 @@ class TestValueDigest:
         params = {k: v for k, v in params.items() if v is not None}
         with pytest.raises(IntegrityError, match="do not match"):
             get_codec("compact").decode(encoded.parts, params, spec, new.size, lookup)
+
+
+class TestDevicePath:
+    """``compact`` rebuilt on the receiver's device: one host wait per file, whatever the tensor count."""
+
+    @staticmethod
+    def delta(tensors: int) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(tensors)
+        base = {f"t{i}": (torch.randn(5000, generator=gen) * 0.02).to(torch.bfloat16) for i in range(tensors)}
+        target = {}
+        for name, tensor in base.items():
+            bits = tensor.view(torch.int16).clone()
+            where = torch.randperm(5000, generator=gen)[:40]
+            bits[where] += 1
+            bits[where[:3]] = torch.tensor([0x7FC1, -0x8000, 0x7F80], dtype=torch.int16)  # NaN payload, -0, inf
+            target[name] = bits.view(torch.bfloat16)
+        data = encode_delta(diff(Snapshot.capture(base), target), version=2, base_version=1)
+        return data, base, target
+
+    @pytest.mark.parametrize("tensors", [3, 300])
+    def test_one_host_wait_and_no_scalar_reads(self, tensors: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from deltasync.codec.device import host_waits
+
+        ops: list[str] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                ops.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        data, base, target = self.delta(tensors)
+        receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, stage=True)
+        before = host_waits()
+        with Record():
+            _, patches = decode(data, base=receiver.lookup, on_device=receiver)
+        assert host_waits() - before == 1
+        waits = {op for op in ops if op.split(".")[-1] in ("nonzero", "_local_scalar_dense", "item", "is_nonzero")}
+        assert not waits and "aten.cumsum_" in ops and "aten.sort" in ops
+        receiver.apply(patches)
+        for name, tensor in receiver.state().items():
+            assert torch.equal(tensor.view(torch.int16), target[name].view(torch.int16)), name
+
+    def test_a_receiver_that_drifted_is_refused_before_any_write(self) -> None:
+        from deltasync.errors import IntegrityError
+
+        data, base, _ = self.delta(5)
+        held = {n: t.clone() for n, t in base.items()}
+        held["t3"].view(torch.int16)[::50] += 2  # changed outside deltasync
+        before = {n: t.clone() for n, t in held.items()}
+        receiver = TorchModuleApplier(held, stage=True)
+        with pytest.raises(IntegrityError, match="t3: the delta's bytes are intact"):
+            decode(data, base=receiver.lookup, on_device=receiver)
+        assert all(torch.equal(held[n].view(torch.int16), before[n].view(torch.int16)) for n in held)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_path_on_cuda_matches_the_host_path() -> None:
+    data, base, target = TestDevicePath.delta(40)
+    on_cuda = {n: t.cuda() for n, t in base.items()}
+    receiver = TorchModuleApplier(on_cuda)
+    assert receiver.on_device is receiver  # taken by default for weights on an accelerator
+    _, patches = decode(data, base=receiver.lookup, on_device=receiver)
+    _, host = decode(data, base=TorchModuleApplier({n: t.clone() for n, t in base.items()}).lookup)
+    for name, patch in patches.items():
+        assert patch.values.device.type == "cuda" and patch.indices.device.type == "cuda"
+        np.testing.assert_array_equal(patch.indices.cpu().numpy(), host[name].indices)
+        np.testing.assert_array_equal(patch.values.cpu().numpy(), host[name].values)
+    receiver.apply(patches)
+    for name, tensor in on_cuda.items():
+        assert torch.equal(tensor.cpu().view(torch.int16), target[name].view(torch.int16)), name

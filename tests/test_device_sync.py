@@ -20,12 +20,12 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
         "anchor publish", "anchor load", "anchor publish, one part", "anchor load, one part",
-        "diff", "diff, device path", "decode", "decode, 1 thread", "decode, batched base reads", "apply",
+        "diff", "diff, device path", "decode", "decode, 1 thread", "decode, device path", "apply",
         "apply, staged", "whole update",
     }
     assert result["stages"]["diff, device path"]["host_waits"] == 2  # whatever the number of tensors
-    batched = result["stages"]["decode, batched base reads"]
-    assert batched["base_reads"] == 1 and batched["per_tensor_reads"] == 0 and batched["tensors"] == 64
+    rebuilt = result["stages"]["decode, device path"]
+    assert rebuilt["host_waits"] == 1 and rebuilt["tensors"] == 64  # one wait for the file, not one per tensor
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout

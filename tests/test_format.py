@@ -321,13 +321,13 @@ def _shards(
     return anchors, deltas, base, target
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["per-tensor", "batched"])
+@pytest.mark.parametrize("batched", [False, True], ids=["host", "on-device"])
 @pytest.mark.parametrize("flat", [False, True], ids=["rows", "elements"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("codec", ["compact", "raw", "compact-exp"])
 def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool, batched: bool) -> None:
-    """Shard files, decoded with per-tensor base reads or with one batched read per file (as a replica
-    on an accelerator does): a shard's indices are shifted to the full tensor's either way."""
+    """Shard files, decoded on the host or rebuilt on the receiver's device (as a replica on an
+    accelerator does): a shard's indices are shifted to the full tensor's either way."""
     from deltasync.format import combine
 
     anchors, deltas, base, target = _shards(world, codec, flat)
@@ -337,7 +337,7 @@ def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool, batc
         headers = [read_header(f) for f in files]
         for header in headers:
             applier.validate(header)  # full shapes and the full model's fingerprint in every shard
-        applier.apply(combine([decode(f, base=applier.lookup, base_many=applier.lookup_many) for f in files],
+        applier.apply(combine([decode(f, base=applier.lookup, on_device=applier.on_device) for f in files],
                               whole=whole))
     for name in target:
         assert torch.equal(replica[name].view(torch.int16), target[name].view(torch.int16))

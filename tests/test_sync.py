@@ -91,21 +91,21 @@ class TestEndToEnd:
         assert sub.version == pub.version == 3
 
     @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp", "raw"])
-    def test_a_staged_replica_reads_every_base_of_a_version_in_one_call(self, codec: str) -> None:
-        """The path a replica on an accelerator takes: a base-relative delta's tensors read their bases
-        in one batched call per file, never one per tensor; codecs that need no base read none, and
-        ``compact-exp`` (which needs every base value) reads tensor by tensor."""
+    def test_a_staged_replica_rebuilds_compact_patches_on_its_device(self, codec: str) -> None:
+        """The path a replica on an accelerator takes: ``compact`` and ``compact-abs`` tensors are rebuilt
+        where the weights live (reading bases there, never through the host lookup) and written from
+        there; other codecs decode on the host."""
+        from deltasync.codec import device
+
         trainer = model()
         opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
         rep = model(seed=99).to(torch.bfloat16)
         applier = TorchModuleApplier(rep, stage=True)
-        assert TorchModuleApplier(model()).lookup_many is None  # a CPU replica reads on the decode threads
-        calls: dict[str, list[int]] = {"one": [], "many": []}
-        one, many = applier.lookup, applier.lookup_many
-        assert many is not None
-        applier.lookup = lambda name, idx: calls["one"].append(idx.size) or one(name, idx)  # type: ignore[method-assign]
-        applier.lookup_many = lambda wanted: calls["many"].append(len(wanted)) or many(wanted)  # type: ignore[assignment]
-        store = MemoryStore(f"batched-{codec}")
+        assert applier.on_device is applier and TorchModuleApplier(model()).on_device is None
+        lookups, waits = [], device.host_waits()
+        one = applier.lookup
+        applier.lookup = lambda name, idx: lookups.append(idx.size) or one(name, idx)  # type: ignore[method-assign]
+        store = MemoryStore(f"on-device-{codec}")
         with Publisher(trainer, store, anchor_every=100, codec=codec) as pub, Subscriber(store, applier) as sub:
             for step in range(3):
                 train(trainer, opt)
@@ -113,20 +113,17 @@ class TestEndToEnd:
                 pub.flush()
                 sub.update()
                 assert_exact(trainer, rep)
-        tensors = len(list(trainer.parameters()))
-        if codec == "compact":
-            # v1 and v2 (v0 is an anchor), each one call for its sparse tensors (a small one may go dense)
-            assert calls["one"] == [] and len(calls["many"]) == 2 and all(1 < n <= tensors for n in calls["many"])
-        elif codec == "compact-exp":
-            assert calls["many"] == [] and len(calls["one"]) >= tensors
+        waits = device.host_waits() - waits
+        if codec in ("compact", "compact-abs"):
+            assert lookups == [] and waits == 2  # v1 and v2 (v0 is an anchor): one wait per file
         else:
-            assert calls == {"one": [], "many": []}
+            assert waits == 0 and (codec != "compact-exp" or lookups)
 
     def test_a_staged_replica_that_drifted_refuses_the_delta_untouched(self) -> None:
-        """The batched decode checks every value digest before anything is written, and says which
-        side is at fault."""
+        """The device path checks every value digest before anything is written, and says which side is
+        at fault."""
         trainer = model()
-        store = MemoryStore("batched-drift")
+        store = MemoryStore("on-device-drift")
         rep = model(seed=99).to(torch.bfloat16)
         applier = TorchModuleApplier(rep, stage=True)
         with Publisher(trainer, store, anchor_every=100) as pub, Subscriber(store, applier) as sub:

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..codec import BatchLookup, Decoded
+from ..codec import Decoded
+from ..codec.device import DeviceReader
 from ..errors import ConfigError
 from ..format import Header
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors
@@ -32,9 +33,9 @@ class TorchModuleApplier:
         target (`nn.Module` or `Mapping[str, Tensor]`): the receiving weights.
         dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): the
             published dtype; ``None`` takes each tensor's own dtype.
-        stage (`bool`, *optional*): read CPU tensors' bases and write their patches
-            through the batched, staged paths that tensors on an accelerator always
-            take (see :attr:`lookup_many` and :meth:`apply`).
+        stage (`bool`, *optional*): decode and write CPU tensors' patches through
+            the paths tensors on an accelerator always take: rebuilt on the device
+            (:attr:`on_device`) and staged (:meth:`apply`).
     """
 
     def __init__(
@@ -53,11 +54,11 @@ class TorchModuleApplier:
         self._tensors = dict(published_tensors(target))
         self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
-        batched = stage or any(t.device.type != "cpu" for t in self._tensors.values())
-        self.lookup_many: BatchLookup | None = self._lookup_many if batched else None
-        """Bases of many tensors in one call (:func:`deltasync.format.decode` uses it when set): set when
-        some tensor is on an accelerator (or with ``stage``), where a read per tensor would wait for the
-        device once per tensor."""
+        accelerated = stage or any(t.device.type != "cpu" for t in self._tensors.values())
+        self.on_device: DeviceReader | None = self if accelerated else None
+        """Set (to this applier) when some tensor is on an accelerator, or with ``stage``: the decoder then
+        rebuilds ``compact`` patches on the weights' device (:mod:`deltasync.codec.device`), with one host
+        wait per file instead of a read of the replica per tensor, and leaves them there."""
 
     def validate(self, header: Header) -> None:
         """Refuse a file that does not fit these tensors, before anything is decoded.
@@ -71,43 +72,13 @@ class TorchModuleApplier:
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""
         device = self._tensors[name].device
-        return self._gather(name, _tensor(indices).to(device)).cpu().numpy()
+        return self.gather(name, _tensor(indices).to(device)).cpu().numpy()
 
-    def _lookup_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Bases of many tensors with one wait per device.
+    def device_of(self, name: str) -> torch.device:
+        """The device tensor ``name`` lives on."""
+        return self._tensors[name].device
 
-        Per device: all indices go into one (pinned) host buffer and to the device in one
-        copy; each tensor is gathered there; the bit patterns come back in one copy per
-        width into pinned memory, then the host waits once."""
-        out: dict[str, np.ndarray] = {}
-        by_device: dict[torch.device, list[str]] = {}
-        for name in wanted:
-            by_device.setdefault(self._tensors[name].device, []).append(name)
-        with torch.no_grad():
-            for device, names in by_device.items():
-                pinned = device.type == "cuda"
-                host_index = torch.empty(sum(len(wanted[n]) for n in names), dtype=torch.int64, pin_memory=pinned)
-                spans, at = [], 0
-                for name in names:
-                    host_index[at : at + len(wanted[name])] = _tensor(wanted[name])
-                    spans.append((name, at, len(wanted[name])))
-                    at += len(wanted[name])
-                index = host_index.to(device, non_blocking=pinned)
-                picked: dict[int, list[tuple[str, torch.Tensor]]] = {}
-                for name, at, n in spans:
-                    bits = self._gather(name, index[at : at + n])
-                    picked.setdefault(bits.element_size(), []).append((name, bits))
-                for found in picked.values():
-                    joined = torch.cat([bits for _, bits in found])
-                    host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=pinned)
-                    host.copy_(joined, non_blocking=pinned)
-                    sizes = [bits.numel() for _, bits in found]
-                    out.update(zip((name for name, _ in found), (h.numpy() for h in host.split(sizes))))
-                if pinned:
-                    torch.cuda.current_stream(device).synchronize()  # the one wait: the copies above have landed
-        return out
-
-    def _gather(self, name: str, index: torch.Tensor) -> torch.Tensor:
+    def gather(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Published bit patterns of tensor ``name`` at flat ``index`` (on the tensor's device)."""
         tensor = self._tensors[name].detach()
         if tensor.is_contiguous():
@@ -119,8 +90,9 @@ class TorchModuleApplier:
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write validated patches in place; call :meth:`validate` first.
 
-        Patches of tensors on the CPU are written one by one. The changed elements
-        of tensors on an accelerator are staged: all their indices and values are
+        Patches rebuilt on the weights' device (:attr:`on_device`) are written from
+        there. Other patches of tensors on the CPU are written one by one. The changed
+        elements of other tensors on an accelerator are staged: all their indices and values are
         copied into one pinned host buffer per kind, moved to the device in one
         asynchronous copy each, and written from there, so the host never waits
         for the device tensor by tensor (``stage=True`` at construction stages CPU
@@ -130,7 +102,9 @@ class TorchModuleApplier:
             staged: dict[torch.device, list[tuple[str, Decoded]]] = {}
             for name, patch in decoded.items():
                 device = self._tensors[name].device
-                if patch.indices is not None and (self._stage or device.type != "cpu"):
+                if isinstance(patch.values, torch.Tensor):  # rebuilt on the device: written from there
+                    self._write(name, _optional(patch.indices), patch.values)
+                elif patch.indices is not None and (self._stage or device.type != "cpu"):
                     staged.setdefault(device, []).append((name, patch))
                 else:
                     self._write(name, _optional(patch.indices), _tensor(patch.values))
@@ -182,10 +156,12 @@ class TorchModuleApplier:
         return dict(self._tensors)
 
 
-def _optional(array: np.ndarray | None) -> torch.Tensor | None:
+def _optional(array: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:
     return None if array is None else _tensor(array)
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
+def _tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
     # torch refuses to wrap read-only buffers without a warning; those are small copies.
     return torch.from_numpy(array if array.flags.writeable else array.copy())

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import importlib
 
-from .base import BaseLookup, BatchLookup, Codec, Decoded, Encoded, Params, Parts, Pending
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts
 
 __all__ = [
-    "Codec", "Encoded", "Decoded", "Pending", "BaseLookup", "BatchLookup", "Parts", "Params", "register_codec",
-    "get_codec", "codec_names",
+    "Codec", "Encoded", "Decoded", "BaseLookup", "Parts", "Params", "register_codec", "get_codec", "codec_names",
 ]
 
 DEFAULT_CODEC = "compact"

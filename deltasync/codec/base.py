@@ -25,15 +25,11 @@ from ..errors import CodecError
 from ..tensors import TensorSpec, bits_dtype
 
 __all__ = [
-    "Codec", "Encoded", "Decoded", "Pending", "BaseLookup", "BatchLookup", "Parts", "Params", "check_part",
-    "check_indices", "value_bits",
+    "Codec", "Encoded", "Decoded", "BaseLookup", "Parts", "Params", "check_part", "check_indices", "value_bits",
 ]
 
 BaseLookup = Callable[[str, np.ndarray], np.ndarray]
 """``(tensor name, sorted flat indices) -> current bit patterns there`` on the receiver."""
-BatchLookup = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
-"""``{tensor name: sorted flat indices} -> {tensor name: current bit patterns there}``: a receiver's
-reads for many tensors at once (one round trip to an accelerator instead of one per tensor)."""
 Parts = Mapping[str, torch.Tensor]
 """One tensor's arrays in a file, by part name (the entries ``"{tensor}::{part}"``)."""
 Params = Mapping[str, Any]
@@ -54,26 +50,15 @@ class Encoded:
 class Decoded:
     """One tensor's changes, decoded and validated, ready to apply."""
 
-    indices: np.ndarray | None
-    """Strictly increasing flat int64 indices, all in bounds; ``None`` for a whole tensor."""
-    values: np.ndarray
-    """New bit patterns (int16/int32): one per index, or every element in order."""
+    indices: np.ndarray | torch.Tensor | None
+    """Strictly increasing flat int64 indices, all in bounds; ``None`` for a whole tensor. A tensor
+    rebuilt on the receiver's device (:mod:`deltasync.codec.device`) keeps them there, as a tensor."""
+    values: np.ndarray | torch.Tensor
+    """New bit patterns (int16/int32): one per index, or every element in order (a tensor on the
+    receiver's device where the indices are)."""
     start: int = 0
     """With ``indices is None``: the flat index ``values`` start at (non-zero only for a
     trainer rank's shard before :func:`deltasync.format.combine` joins the shards)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Pending:
-    """A base-relative tensor decoded as far as it goes without the receiver's values.
-
-    Splitting the decode lets a reader fetch the bases of every tensor of a file in
-    one batch (:data:`BatchLookup`) between the two halves."""
-
-    indices: np.ndarray
-    """Strictly increasing flat int64 indices, all in bounds: where the base is read."""
-    finish: Callable[[np.ndarray], Decoded]
-    """Given the receiver's bit patterns at :attr:`indices`, the validated patch (raises like ``decode``)."""
 
 
 class Codec(ABC):
@@ -102,11 +87,6 @@ class Codec(ABC):
             nnz (`int`): how many elements the file says changed.
             base (`BaseLookup`, *optional*): the receiver's current values, for codecs that need them.
         """
-
-    def prepare(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending | None:
-        """The first half of a base-relative decode (everything the base is not needed for);
-        ``None`` where the codec does not split (it then decodes in one go through :meth:`decode`)."""
-        return None
 
     def supports(self, change: TensorChange) -> bool:
         """Whether this codec can carry ``change`` (sparse codecs refuse dense changes)."""

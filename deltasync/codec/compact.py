@@ -30,9 +30,9 @@ from ..diff import TensorChange
 from ..errors import CodecError, IntegrityError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, Pending, check_part, to_numpy
+from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 
-_WIDTHS = (1, 2, 4)
+GAP_WIDTHS = (1, 2, 4)
 UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
 
@@ -114,7 +114,7 @@ def _gap_width(gaps: np.ndarray) -> tuple[int, int]:
     go to the narrower width, as ``min`` over ``(cost, width, big)`` does.
     """
     best: tuple[int, int, int] | None = None
-    for width in _WIDTHS:
+    for width in GAP_WIDTHS:
         big = int(np.count_nonzero(gaps >= (1 << (8 * width)) - 1))
         cost = (gaps.size * width + 8 * big, width, big)
         best = cost if best is None else min(best, cost)
@@ -148,7 +148,7 @@ def decode_indices(blob: np.ndarray, params: Params, spec: TensorSpec, nnz: int)
     four passes over the changes, escapes or not.
     """
     width, n_big = params.get("iw"), params.get("big")
-    if type(width) is not int or width not in _WIDTHS or type(n_big) is not int or not 0 <= n_big <= nnz:
+    if type(width) is not int or width not in GAP_WIDTHS or type(n_big) is not int or not 0 <= n_big <= nnz:
         raise CodecError(f"{spec.name}: bad index params iw={width!r} big={n_big!r}", name=spec.name)
     raw = decompress(blob, nnz * width + 8 * n_big, f"{spec.name}::idx")
     escape = (1 << (8 * width)) - 1
@@ -221,31 +221,20 @@ class CompactCodec(Codec):
         )
 
     def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
-        pending = self._split(parts, params, spec, nnz)
-        if not self.needs_base:
-            return pending.finish(None)
-        if base is None:
-            raise CodecError(f"{spec.name}: codec {self.name!r} needs the receiver's current values", name=spec.name)
-        return pending.finish(base(spec.name, pending.indices))
-
-    def prepare(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending | None:
-        return self._split(parts, params, spec, nnz)
-
-    def _split(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending:
-        """Indices and value words from the streams; the rest waits for the receiver's values."""
         idx_blob = to_numpy(check_part(parts, "idx", torch.uint8, None, spec))
         val_blob = to_numpy(check_part(parts, "val", torch.uint8, None, spec))
         indices = decode_indices(idx_blob, params, spec, nnz)
         width = spec.torch_dtype.itemsize
         raw = decompress(val_blob, nnz * width, f"{spec.name}::val")
         words = unplanes(raw, nnz, UNSIGNED[width])
-
-        def finish(current: np.ndarray | None) -> Decoded:
-            values = self._words_to_values(words, indices, spec, current)
-            check_values(values, params, spec)
-            return Decoded(indices, values)
-
-        return Pending(indices, finish)
+        current = None
+        if self.needs_base:
+            if base is None:
+                raise CodecError(f"{spec.name}: codec {self.name!r} needs the receiver's current values", name=spec.name)
+            current = base(spec.name, indices)
+        values = self._words_to_values(words, indices, spec, current)
+        check_values(values, params, spec)
+        return Decoded(indices, values)
 
     @staticmethod
     def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
@@ -258,7 +247,7 @@ class CompactCodec(Codec):
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: np.ndarray | None
     ) -> np.ndarray:
-        assert base is not None  # decode and decode_entries hand a base-relative codec its base
+        assert base is not None  # decode reads it for a base-relative codec
         current = np.ascontiguousarray(base)
         signed = SIGNED[words.dtype.itemsize]
         if current.shape != indices.shape or current.dtype.itemsize != words.dtype.itemsize:
@@ -278,9 +267,6 @@ class CompactAbsCodec(CompactCodec):
     @staticmethod
     def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
         return new.view(UNSIGNED[new.dtype.itemsize])
-
-    def prepare(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending | None:
-        return None  # nothing to wait for: decode goes in one go
 
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: np.ndarray | None

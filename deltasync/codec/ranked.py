@@ -29,7 +29,7 @@ from ..diff import TensorChange
 from ..errors import CodecError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import BaseLookup, Decoded, Encoded, Params, Parts, Pending, check_part, to_numpy
+from .base import BaseLookup, Decoded, Encoded, Params, Parts, check_part, to_numpy
 from .compact import (
     SIGNED,
     UNSIGNED,
@@ -103,9 +103,6 @@ class CompactExpCodec(CompactCodec):
             parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(planes(steps), level))},
             params=params,
         )
-
-    def prepare(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int) -> Pending | None:
-        return None  # positions need every base value of the tensor first: decode goes in one go
 
     def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
         if base is None:

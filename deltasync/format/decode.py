@@ -15,7 +15,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ..codec import BaseLookup, BatchLookup, Decoded, Pending, get_codec
+from ..codec import BaseLookup, Decoded, get_codec
+from ..codec.device import DEVICE_CODECS, DeviceReader, Streams, decode_on_device, streams_of
 from ..errors import CodecError, DeltaFormatError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
@@ -29,7 +30,7 @@ def decode(
     *,
     base: BaseLookup | None = None,
     header: Header | None = None,
-    base_many: BatchLookup | None = None,
+    on_device: DeviceReader | None = None,
 ) -> tuple[Header, dict[str, Decoded]]:
     """Decode every tensor of a delta or anchor, validating all of it, writing nothing.
 
@@ -38,9 +39,9 @@ def decode(
         base (`BaseLookup`, *optional*): reads the receiver's current bit patterns,
             required by base-relative codecs such as ``compact``.
         header (`Header`, *optional*): the already parsed header, to skip re-parsing.
-        base_many (`BatchLookup`, *optional*): reads the bases of many tensors at once; with it,
-            the codecs that can split their decode read every base of the file in one call
-            (see :func:`decode_entries`).
+        on_device (`DeviceReader`, *optional*): a receiver whose weights are on an accelerator;
+            ``compact`` and ``compact-abs`` tensors are then rebuilt there
+            (:mod:`deltasync.codec.device`), their patches left on the device.
 
     Returns:
         `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
@@ -53,7 +54,7 @@ def decode(
             base-relative decode did not reproduce the publisher's values.
     """
     header = header or read_header(data)
-    return header, decode_entries(header, file_entries(data), base=base, base_many=base_many)
+    return header, decode_entries(header, file_entries(data), base=base, on_device=on_device)
 
 
 def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -104,17 +105,12 @@ def decode_entries(
     *,
     base: BaseLookup | None = None,
     names: Collection[str] | None = None,
-    base_many: BatchLookup | None = None,
+    on_device: DeviceReader | None = None,
 ) -> dict[str, Decoded]:
     """Decode the tensors ``names`` (default: all the header lists) from their safetensors entries.
 
     ``entries`` must hold exactly the entries of those tensors (``T`` for an anchor,
     ``T::part`` for a delta): the whole file's, or what a range reader fetched.
-
-    With ``base_many``, base-relative tensors decode in two halves (:meth:`Codec.prepare`):
-    every tensor's indices first, on a few threads; then one ``base_many`` call for all
-    their bases (a receiver on an accelerator answers it with one round trip, not one
-    per tensor); then the values and their digests, on the threads again.
 
     Raises:
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
@@ -164,35 +160,24 @@ def decode_entries(
             raise
         return _place(patch, entry)
 
-    def first_half(name: str) -> Decoded | Pending:
+    def first(name: str) -> Decoded | Streams:
         entry = wanted[name]
-        if base_many is not None and codecs[name].needs_base:
-            pending = codecs[name].prepare(grouped[name], entry.params, entry.local_spec, entry.nnz)
-            if pending is not None:
-                return pending
+        if on_device is not None and entry.codec in DEVICE_CODECS:  # decompressed here, rebuilt on the device
+            return streams_of(name, entry.codec, grouped[name], entry.params, entry.local_spec, entry.nnz, entry.offset)
         return decode_one(name)
 
-    def second_half(name: str, pending: Pending, current: np.ndarray) -> Decoded:
-        try:
-            patch = pending.finish(current)
-        except IntegrityError as exc:
-            _blame(name, wanted[name], grouped[name], exc)
-            raise
-        return _place(patch, wanted[name])
-
     names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
-    results = dict(zip(names, map_shared(first_half, names, [wanted[n].nnz for n in names])))
-    pending = {name: found for name, found in results.items() if isinstance(found, Pending)}
-    if pending:
-        assert base_many is not None
-        shift = {name: wanted[name].offset for name in pending}  # a shard's indices, in the full tensor
-        bases = base_many({name: p.indices + shift[name] if shift[name] else p.indices for name, p in pending.items()})
-        missing = sorted(pending.keys() - bases.keys())
-        if missing:
-            raise CodecError(f"{missing[0]}: base lookup returned nothing for it", name=missing[0])
-        later = list(pending)
-        done = map_shared(lambda n: second_half(n, pending[n], bases[n]), later, [wanted[n].nnz for n in later])
-        results.update(zip(later, done))
+    results = dict(zip(names, map_shared(first, names, [wanted[n].nnz for n in names])))
+    streams = [found for found in results.values() if isinstance(found, Streams)]
+    if streams:
+        assert on_device is not None
+        try:
+            results.update(decode_on_device(streams, on_device))
+        except IntegrityError as exc:
+            name = getattr(exc, "name", None)
+            if name in grouped:
+                _blame(name, wanted[name], grouped[name], exc)
+            raise
     return {name: found for name, found in results.items() if isinstance(found, Decoded)}
 
 
@@ -269,8 +254,11 @@ def combine(parts: Sequence[tuple[Header, dict[str, Decoded]]], *, whole: bool) 
 
 
 def _join(patches: list[Decoded], numel: int) -> Decoded:
-    if len(patches) == 1 and (patches[0].indices is not None or (patches[0].start == 0 and patches[0].values.size == numel)):
+    if len(patches) == 1 and (patches[0].indices is not None or (patches[0].start == 0 and len(patches[0].values) == numel)):
         return patches[0]
+    device = next((p.values.device for p in patches if isinstance(p.values, torch.Tensor)), None)
+    if device is not None:  # some shards were rebuilt on the receiver's device: join them there
+        return _join_on(device, patches, numel)
     if all(p.indices is None for p in patches) and sum(p.values.size for p in patches) == numel:
         return Decoded(None, np.concatenate([p.values for p in patches]))
     indices = [
@@ -278,3 +266,20 @@ def _join(patches: list[Decoded], numel: int) -> Decoded:
         for p in patches
     ]
     return Decoded(np.concatenate(indices), np.concatenate([p.values for p in patches]))
+
+
+def _join_on(device: torch.device, patches: list[Decoded], numel: int) -> Decoded:
+    """:func:`_join` for pieces of which some live on ``device``; the result lives there."""
+
+    def there(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    values = torch.cat([there(p.values) for p in patches])
+    if all(p.indices is None for p in patches) and len(values) == numel:
+        return Decoded(None, values)
+    indices = [
+        there(p.indices) if p.indices is not None
+        else torch.arange(p.start, p.start + len(p.values), dtype=torch.int64, device=device)
+        for p in patches
+    ]
+    return Decoded(torch.cat(indices), values)
