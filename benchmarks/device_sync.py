@@ -15,7 +15,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | replica apply | ``TorchModuleApplier.apply`` (on an accelerator: staged) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | the same with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
-| anchor publish / load | first ``publish`` / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
+| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
 
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
@@ -98,26 +98,34 @@ class Model:
 
 
 def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.device, **options: Any) -> dict[str, Any]:
-    """One anchor into a fresh local store and into a fresh replica: publish and load seconds, bytes, files."""
+    """Anchors into a fresh local store and a fresh replica: seconds to publish the first (its snapshot
+    allocated and captured on the way) and a periodic one (from the snapshot kept since), to load the
+    latter; bytes and files."""
     store = Path(tempfile.mkdtemp(prefix="anchor-", dir=root)) / "run"
     replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
     infos: list[Any] = []
+    first = next(iter(masters.values())).view(-1)
     try:
         started = time.perf_counter()
-        with Publisher(masters, str(store), on_publish=infos.append, anchor_every=10**6, **options) as publisher:
+        with Publisher(masters, str(store), on_publish=infos.append, anchor_every=1, **options) as publisher:
             publisher.publish(0, block=True)
             publisher.flush()
             publish_s = time.perf_counter() - started
+            first[0] = first[0] * 2 + 1  # one change: version 1 is a delta, then the periodic anchor
+            publisher.publish(1, block=True)
+            publisher.flush()
+        periodic = next(i for i in infos if i.version == 1 and i.kind == "anchor")
         started = time.perf_counter()
         Subscriber(str(store), TorchModuleApplier(replica)).update()
         sync(device)
         load_s = time.perf_counter() - started
         assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
                    for n, t in masters.items())
-        files = len(list((store / "anchors").iterdir()))
+        files = len([p for p in (store / "anchors").iterdir() if "0000000001" in p.name])
     finally:
         shutil.rmtree(store.parent, ignore_errors=True)
-    return {"publish": publish_s, "load": load_s, "bytes": infos[0].bytes, "files": files}
+    return {"publish": publish_s, "periodic": periodic.t_total, "load": load_s, "bytes": periodic.bytes,
+            "files": files}
 
 
 def floor_diff(model: Model, snapshot: Snapshot) -> None:
@@ -153,10 +161,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes = rounds[0]["bytes"]
             if not label:
                 anchor_bytes = nbytes  # the default layout's, reported below
-            for stage in ("publish", "load"):
+            for stage, name in (("publish", "publish"), ("periodic", "publish, periodic"), ("load", "load")):
                 times = [r[stage] for r in rounds]
                 median = statistics.median(times)
-                rows[f"anchor {stage}{label}"] = {
+                rows[f"anchor {name}{label}"] = {
                     "deltasync": median, "floor": copy_all["median"], "gb_per_s": nbytes / median / 1e9,
                     "files": rounds[0]["files"],
                     "spread": [{"median": median, "min": min(times), "max": max(times)}, copy_all],

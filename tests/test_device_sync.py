@@ -19,7 +19,8 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "device_sync_cpu.json").read_text())
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
-        "anchor publish", "anchor load", "anchor publish, one part", "anchor load, one part",
+        "anchor publish", "anchor publish, periodic", "anchor load", "anchor publish, one part",
+        "anchor publish, periodic, one part", "anchor load, one part",
         "diff", "diff, device path", "decode", "decode, 1 thread", "decode, device path", "apply",
         "apply, staged", "whole update",
     }
