@@ -537,3 +537,68 @@ def test_the_device_path_on_cuda_matches_the_host_path() -> None:
     receiver.apply(patches)
     for name, tensor in on_cuda.items():
         assert torch.equal(tensor.cpu().view(torch.int16), target[name].view(torch.int16)), name
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases=st.lists(scenarios(), min_size=1, max_size=6), codec=st.sampled_from(["compact", "compact-abs"]))
+def test_the_device_path_rebuilds_whole_files_of_mixed_tensors(
+    cases: list[tuple[str, np.ndarray, np.ndarray]], codec: str
+) -> None:
+    """Several tensors in one file, rebuilt together on the device: mixed dtypes and value widths,
+    gap widths of 1, 2 and 4 bytes with and without escapes, empty and dense tensors beside sparse ones."""
+    base = {f"t{i}": torch.from_numpy(b.copy()).view(DTYPES[d][0]) for i, (d, b, _) in enumerate(cases)}
+    target = {f"t{i}": torch.from_numpy(t.copy()).view(DTYPES[d][0]) for i, (d, _, t) in enumerate(cases)}
+    data = encode_delta(diff(Snapshot.capture(base, dtype=None), target), version=5, base_version=4, codec=codec)
+    _, host = decode(data, base=TorchModuleApplier({n: t.clone() for n, t in base.items()}, dtype=None).lookup)
+    receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, dtype=None, stage=True)
+    _, dev = decode(data, base=receiver.lookup, on_device=receiver)
+    assert dev.keys() == host.keys()
+    for name, patch in host.items():
+        if patch.indices is not None:
+            np.testing.assert_array_equal(dev[name].indices.numpy(), patch.indices)
+        np.testing.assert_array_equal(np.asarray(dev[name].values), patch.values)
+    receiver.apply(dev)
+    for name, tensor in receiver.state().items():
+        assert torch.equal(bits_of(tensor), bits_of(target[name])), name
+
+
+def test_one_hostile_tensor_is_named_among_good_ones_on_the_device_path() -> None:
+    """A tensor whose side gaps would wrap an int64 sum, between two good ones: the device path names it
+    (not a neighbour whose indices the shared prefix sum carries past it) and writes nothing."""
+    import json
+
+    import safetensors.torch
+    import zstandard
+
+    from deltasync.errors import CodecError
+    from deltasync.format import raw_header
+
+    gen = torch.Generator().manual_seed(3)
+    base = {n: (torch.randn(70_000, generator=gen) * 0.02).to(torch.bfloat16) for n in ("a", "b", "c")}
+    target = {n: t.clone() for n, t in base.items()}
+    for tensor in target.values():
+        tensor.view(torch.int16)[torch.randperm(70_000, generator=gen)[:50]] += 1
+    data = encode_delta(diff(Snapshot.capture(base), target), version=5, base_version=4)
+    tensors, meta = safetensors.torch.load(data), raw_header(data)["__metadata__"]
+    entries = json.loads(meta["tensors"])
+    # Tensor "b": 50 gaps, two of them escapes whose side gaps sum past 2**63.
+    gaps = np.full(50, 3, dtype=np.uint8)
+    gaps[[10, 20]] = 255
+    payload = gaps.tobytes() + np.array([2**62 + 5, 2**62 + 7], dtype="<u8").tobytes()
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(payload)
+    tensors["b::idx"] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    entries["b"]["params"].update(iw=1, big=2)
+    entries["b"].pop("blake3", None)
+    meta["tensors"] = json.dumps(entries)
+    hostile = safetensors.torch.save(tensors, metadata=meta)
+    held = {n: t.clone() for n, t in base.items()}
+    receiver = TorchModuleApplier(held, stage=True)
+    with pytest.raises(CodecError, match="^b: "):
+        decode(hostile, base=receiver.lookup, on_device=receiver)
+    with pytest.raises(CodecError, match="^b: "):
+        decode(hostile, base=TorchModuleApplier({n: t.clone() for n, t in base.items()}).lookup)
+    assert all(torch.equal(held[n].view(torch.int16), base[n].view(torch.int16)) for n in held)
+
+
+def bits_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)

@@ -12,12 +12,16 @@ weights live:
    stream is packed into one (pinned, on CUDA) host buffer.
 2. **One copy** of that buffer to the device (1 to 4 bytes per change for
    positions and 2 or 4 for values, instead of 8 + 2 + 2 on the host path).
-3. **On the device, queued**: byte planes merged, escapes patched
-   (``nonzero_static``: their count is in the params, so no wait), gaps summed
-   into indices; the base read at the indices (clamped: a hostile stream is
-   refused below, never read out of bounds); exponent order, zigzag and sum.
-   Every check a hostile stream could fail (escape count, side gaps, index
-   bounds) becomes a flag on the device.
+3. **On the device, queued, for all tensors at once**: byte planes merged
+   (streams are packed by width, plane by plane, so one merge per plane serves
+   every tensor), escapes patched (``nonzero_static``: their count is in the
+   params, so no wait), gaps summed into indices with one prefix sum (each
+   tensor's start subtracted); the base read at the indices, per tensor
+   (clamped: a hostile stream is refused below, never read out of bounds); one
+   stable sort by tensor and exponent, zigzag and sum. Every check a hostile
+   stream could fail (escape count, side gaps, index bounds) becomes a flag per
+   tensor on the device. A file of a few hundred tensors costs a few dozen
+   kernels plus two per tensor (its base read), not dozens per tensor.
 4. **Wait**: the flags and the new bit patterns come back in one copy each, and
    the host waits once. It raises the first failed check in file order, then
    checks every tensor's value digest (BLAKE3 on a few threads: about 0.5 ns
@@ -131,78 +135,194 @@ def decode_on_device(items: Sequence[Streams], reader: DeviceReader) -> dict[str
     return {item.name: out[item.name] for item in items}
 
 
+class _Packing:
+    """Where everything one device needs lives in the one host buffer that is copied to it.
+
+    Index streams are laid out by gap width (``iw``): per width, plane ``k`` of every tensor side by
+    side, so one merge per plane serves them all; the side gaps follow in the same tensor order.
+    Value streams are laid out the same way per (codec, value width). Small per-tensor integers the
+    device ops need (counts, starts, bounds) go in an int64 table at the front.
+    """
+
+    def __init__(self, items: Sequence[Streams]) -> None:
+        self.order = sorted(range(len(items)), key=lambda k: items[k].iw)  # tensors in index-stream order
+        self.values: dict[tuple[bool, int], list[int]] = {}  # (base-relative, value width) -> tensors
+        for k, item in enumerate(items):
+            self.values.setdefault((item.base_relative, item.spec.torch_dtype.itemsize), []).append(k)
+        counts = [items[k].nnz for k in self.order]
+        bigs = [items[k].big for k in self.order]
+        self.start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # per tensor, in index order
+        self.side_start = np.concatenate([[0], np.cumsum(bigs, dtype=np.int64)])
+        self.total, self.big = int(self.start[-1]), int(self.side_start[-1])
+        table = {
+            "count": counts, "big": bigs, "start": self.start[:-1],
+            "last": [max(int(self.start[p]) + counts[p] - 1, 0) for p in range(len(counts))],
+            "numel": [items[k].spec.numel for k in self.order],
+            "top": [max(items[k].spec.numel - 1, 0) for k in self.order],
+            "offset": [items[k].offset for k in self.order],
+            "scale": [1 << (8 * items[k].iw) for k in self.order],  # escape + 1
+        }
+        for key, members in self.values.items():
+            table[f"count{key}"] = [items[k].nnz for k in members]
+        self.table = {key: np.asarray(column, dtype=np.int64) for key, column in table.items()}
+        at = 8 * sum(len(column) for column in self.table.values())
+        self.idx: dict[int, tuple[int, int, list[int]]] = {}  # iw -> (byte offset, count, tensors)
+        for k in self.order:
+            iw = items[k].iw
+            if iw not in self.idx:
+                members = [q for q in self.order if items[q].iw == iw]
+                self.idx[iw] = (at, sum(items[q].nnz for q in members), members)
+                at = _aligned(at + iw * self.idx[iw][1])
+        self.side = at
+        at = _aligned(at + 8 * self.big)
+        self.val: dict[tuple[bool, int], tuple[int, int]] = {}
+        for key, members in self.values.items():
+            self.val[key] = (at, sum(items[k].nnz for k in members))
+            at = _aligned(at + key[1] * self.val[key][1])
+        self.nbytes = at
+
+    def fill(self, out: np.ndarray, items: Sequence[Streams]) -> None:
+        """Write every stream and the table into ``out`` (host memory)."""
+        at = 0
+        for column in self.table.values():
+            out[at : at + 8 * len(column)] = column.view(np.uint8)
+            at += 8 * len(column)
+        for iw, (base, count, members) in self.idx.items():
+            _interleave(out[base : base + iw * count], iw, [(items[k].idx, items[k].nnz) for k in members])
+        side = self.side
+        for k in self.order:
+            n = 8 * items[k].big
+            out[side : side + n] = np.frombuffer(items[k].idx, dtype=np.uint8, offset=items[k].nnz * items[k].iw)
+            side += n
+        for key, (base, count) in self.val.items():
+            streams = [(items[k].val, items[k].nnz) for k in self.values[key]]
+            _interleave(out[base : base + key[1] * count], key[1], streams)
+
+    def columns(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The table's columns, on the device."""
+        table = raw[: 8 * sum(len(c) for c in self.table.values())].view(torch.int64)
+        out, at = {}, 0
+        for key, column in self.table.items():
+            out[key] = table[at : at + len(column)]
+            at += len(column)
+        return out
+
+
+def _interleave(out: np.ndarray, width: int, streams: list[tuple[bytes, int]]) -> None:
+    """Lay the byte planes of several streams (``(planes, count)`` each) plane by plane into ``out``:
+    plane ``k`` of every stream side by side, as if they were one stream."""
+    planes = out.reshape(width, -1)
+    within = 0
+    for data, count in streams:
+        source = np.frombuffer(data, dtype=np.uint8, count=width * count)
+        planes[:, within : within + count] = source.reshape(width, count)
+        within += count
+
+
 def _decode_group(device: torch.device, items: list[Streams], reader: DeviceReader) -> dict[str, Decoded]:
+    """Every tensor of ``items`` at once: a few ops per stream layout, two per tensor that reads its base."""
     pinned = device.type == "cuda"
-    layout, total = [], 0
-    for item in items:  # where each stream starts in the packed buffer
-        at_idx = total
-        at_side = _aligned(at_idx + item.nnz * item.iw)
-        at_val = _aligned(at_side + 8 * item.big)
-        total = _aligned(at_val + len(item.val))
-        layout.append((at_idx, at_side, at_val))
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
-    packed = host.numpy()
-    for item, (at_idx, at_side, at_val) in zip(items, layout):
-        main = item.nnz * item.iw
-        packed[at_idx : at_idx + main] = np.frombuffer(item.idx, dtype=np.uint8, count=main)
-        if item.big:
-            packed[at_side : at_side + 8 * item.big] = np.frombuffer(item.idx, dtype=np.uint8, offset=main)
-        packed[at_val : at_val + len(item.val)] = np.frombuffer(item.val, dtype=np.uint8)
+    plan = _Packing(items)
+    host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=pinned)
+    plan.fill(host.numpy(), items)
     raw = host.to(device, non_blocking=pinned)
-
-    flags, decoded = [], []
-    for item, (at_idx, at_side, at_val) in zip(items, layout):
-        indices, ok = _indices(item, raw, at_idx, at_side)
-        width = item.spec.torch_dtype.itemsize
-        words = _unplanes(raw[at_val : at_val + item.nnz * width], width, item.nnz)
-        if item.base_relative:
-            safe = indices.clamp(0, max(item.spec.numel - 1, 0)) + item.offset  # in bounds even when refused
-            values = _add_base(words, reader.gather(item.name, safe), width)
+    col = plan.columns(raw)
+    indices, ok = _indices(plan, raw, col, device)
+    safe = None
+    if any(item.base_relative for item in items):  # read the base at clamped indices: never out of bounds
+        top = torch.repeat_interleave(col["top"], col["count"], output_size=plan.total)
+        safe = torch.minimum(indices.clamp_min(0), top) + torch.repeat_interleave(
+            col["offset"], col["count"], output_size=plan.total)
+    if any(item.offset for item in items):
+        indices = indices + torch.repeat_interleave(col["offset"], col["count"], output_size=plan.total)
+    position = {k: p for p, k in enumerate(plan.order)}
+    span = {k: (int(plan.start[position[k]]), int(plan.start[position[k] + 1])) for k in range(len(items))}
+    values: dict[int, torch.Tensor] = {}
+    buffers = {}
+    for key, members in plan.values.items():
+        base_relative, width = key
+        at, count = plan.val[key]
+        words = _unplanes(raw[at : at + width * count], width, count)
+        if base_relative:
+            assert safe is not None
+            current = torch.empty(count, dtype=_BITS[width], device=device)
+            within = 0
+            for k in members:
+                a, b = span[k]
+                current[within : within + b - a] = reader.gather(items[k].name, safe[a:b])
+                within += b - a
+            segment = torch.repeat_interleave(torch.arange(len(members), device=device), col[f"count{key}"],
+                                              output_size=count)
+            buffer = _add_base(words, current, width, segment)
         else:
-            values = words.to(_BITS[width])
-        flags.append(ok)
-        decoded.append((indices + item.offset if item.offset else indices, values))
+            buffer = words.to(_BITS[width])
+        buffers[key] = buffer
+        within = 0
+        for k in members:
+            values[k] = buffer[within : within + items[k].nnz]
+            within += items[k].nnz
 
-    # The one wait: every flag and every value, back to the host together.
-    flags_host = _to_host(torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool, device=device), pinned)
-    values_host = {}
-    for width in (2, 4):
-        chosen = [k for k, item in enumerate(items) if item.spec.torch_dtype.itemsize == width]
-        if chosen:
-            joined = _to_host(torch.cat([decoded[k][1] for k in chosen]), pinned)
-            sizes = [items[k].nnz for k in chosen]
-            values_host.update(zip(chosen, joined.split(sizes)))
+    # The one wait: the flags and every value, back to the host together.
+    flags_host = _to_host(ok, pinned)
+    values_host = {key: _to_host(buffer, pinned) for key, buffer in buffers.items()}
     host_waits.count += 1
     if pinned:
         torch.cuda.current_stream(device).synchronize()
-    for item, ok in zip(items, flags_host.tolist()):
-        if not ok:
+    flags = flags_host.tolist()
+    for k, item in enumerate(items):
+        if not flags[position[k]]:
             raise CodecError(
                 f"{item.name}: hostile index stream (escape count, side gaps or an index out of range "
                 f"[0, {item.spec.numel}))", name=item.name,
             )
-    map_shared(lambda k: check_values(values_host[k].numpy(), items[k].params, items[k].spec),
-               range(len(items)), [item.nnz for item in items])
-    return {item.name: Decoded(indices, values) for item, (indices, values) in zip(items, decoded)}
+    on_host: dict[int, np.ndarray] = {}
+    for key, members in plan.values.items():
+        within, flat = 0, values_host[key].numpy()
+        for k in members:
+            on_host[k] = flat[within : within + items[k].nnz]
+            within += items[k].nnz
+    map_shared(lambda k: check_values(on_host[k], items[k].params, items[k].spec), range(len(items)),
+               [item.nnz for item in items])
+    return {item.name: Decoded(indices[span[k][0] : span[k][1]], values[k]) for k, item in enumerate(items)}
 
 
-def _indices(item: Streams, raw: torch.Tensor, at_idx: int, at_side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices from the gap planes and side gaps, and a device flag: the stream is well formed."""
-    nnz, escape = item.nnz, (1 << (8 * item.iw)) - 1
-    narrow = _unplanes(raw[at_idx : at_idx + nnz * item.iw], item.iw, nnz).to(torch.int64)
-    escaped = narrow == escape
-    ok = escaped.sum() == item.big
-    gaps = narrow.add_(1)  # the gap plus the changed element itself
-    if item.big:
-        side = raw[at_side : at_side + 8 * item.big].view(torch.int64)  # little-endian uint64, as written
-        # A side gap at or above 2**63 reads negative; the float bound keeps int64 sums from wrapping
-        # (float32 for devices without float64: legitimate sums stay below numel, far under the bound).
-        ok &= (side >= 0).all() & (side.to(torch.float32).sum() + float(nnz) * (escape + 1) < 2.0**61)
-        where = torch.nonzero_static(escaped, size=item.big, fill_value=0).view(-1)
+def _indices(
+    plan: _Packing, raw: torch.Tensor, col: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tensor's flat indices (slice-relative, index-stream order) and a flag per tensor: its stream
+    is well formed (escape count, side gaps that cannot wrap a sum, the last index in bounds)."""
+    narrow_parts, escaped_parts = [], []
+    for iw, (at, count, _) in plan.idx.items():
+        narrow = _unplanes(raw[at : at + iw * count], iw, count).to(torch.int64)
+        escaped_parts.append(narrow == (1 << (8 * iw)) - 1)
+        narrow_parts.append(narrow)
+    total = plan.total
+    gaps = torch.cat(narrow_parts) if narrow_parts else torch.zeros(0, dtype=torch.int64, device=device)
+    escaped = torch.cat(escaped_parts) if escaped_parts else torch.zeros(0, dtype=torch.bool, device=device)
+    gaps += 1  # the gap plus the changed element itself
+    tensors = len(plan.order)
+    owner = torch.repeat_interleave(torch.arange(tensors, device=device), col["count"], output_size=total)
+    counts = torch.zeros(tensors, dtype=torch.int64, device=device).index_add_(0, owner, escaped.to(torch.int64))
+    ok = counts == col["big"]
+    # Each tensor's sum bounded in float first (per tensor, so one hostile stream cannot hide another's):
+    # below it no sum wraps int64 and every index increases strictly.
+    bound = col["count"].to(torch.float32) * col["scale"].to(torch.float32)
+    if plan.big:
+        side = raw[plan.side : plan.side + 8 * plan.big].view(torch.int64)  # little-endian uint64, as written
+        side_owner = torch.repeat_interleave(torch.arange(tensors, device=device), col["big"], output_size=plan.big)
+        ok &= torch.zeros(tensors, dtype=torch.int64, device=device).index_add_(
+            0, side_owner, (side < 0).to(torch.int64)) == 0  # at or above 2**63
+        bound = bound.index_add_(0, side_owner, side.to(torch.float32))
+        where = torch.nonzero_static(escaped, size=plan.big, fill_value=0).view(-1)
         gaps.index_put_((where,), side + 1)
-    indices = gaps.cumsum_(0).sub_(1)
-    if nnz:
-        ok &= indices[-1] < item.spec.numel
+    ok &= bound < 2.0**61
+    summed = gaps.cumsum_(0)
+    # Per tensor, subtract the sum before its first gap (int64 sums wrap alike, so a hostile neighbour
+    # cannot shift these indices).
+    before = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), summed])[col["start"]]
+    indices = summed.sub_(torch.repeat_interleave(before, col["count"], output_size=total)).sub_(1)
+    if total:
+        ok &= (col["count"] == 0) | (indices[col["last"]] < col["numel"])
     return indices, ok
 
 
@@ -216,12 +336,13 @@ def _unplanes(planes: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return out
 
 
-def _add_base(words: torch.Tensor, current: torch.Tensor, width: int) -> torch.Tensor:
-    """New bit patterns: ``current`` plus the unzigzagged words, undoing the exponent order."""
+def _add_base(words: torch.Tensor, current: torch.Tensor, width: int, segment: torch.Tensor) -> torch.Tensor:
+    """New bit patterns: ``current`` plus the unzigzagged words, undoing each tensor's exponent order
+    (one stable sort for all tensors: by tensor, then by exponent)."""
     mask = (1 << (8 * width)) - 1
     wide = words.dtype
     base = current.to(wide) & mask  # unsigned, in a type wide enough for the sum
-    key = (base >> (7 if width == 2 else 23)) & 0xFF
+    key = segment * 256 + ((base >> (7 if width == 2 else 23)) & 0xFF)
     order = torch.argsort(key, stable=True)
     zigzag = torch.empty_like(words)
     zigzag[order] = words
@@ -237,4 +358,3 @@ def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 def _aligned(at: int) -> int:
     return -(-at // _ALIGN) * _ALIGN
-
