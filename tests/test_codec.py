@@ -508,6 +508,27 @@ class TestDevicePath:
         for name, tensor in receiver.state().items():
             assert torch.equal(tensor.view(torch.int16), target[name].view(torch.int16)), name
 
+    def test_batches_bound_the_scratch_and_give_the_same_patches(self) -> None:
+        """Tensors go in batches of about ``batch`` changes, one wait each; the patches do not change."""
+        from deltasync.codec.device import decode_on_device, host_waits, streams_of
+        from deltasync.format import read_header
+        from deltasync.format.decode import file_entries
+
+        data, base, _ = self.delta(10)  # 40 changes per tensor
+        header, entries = read_header(data), file_entries(data)
+        items = [
+            streams_of(name, e.codec, {k.split("::")[1]: v for k, v in entries.items() if k.startswith(name + "::")},
+                       e.params, e.local_spec, e.nnz, 0)
+            for name, e in header.tensors.items()
+        ]
+        receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, stage=True)
+        whole = decode_on_device(items, receiver)
+        before = host_waits()
+        batched = decode_on_device(items, receiver, batch=100)  # 3 tensors a batch, the last one 1
+        assert host_waits() - before == 4
+        for name, patch in whole.items():
+            assert torch.equal(patch.indices, batched[name].indices) and torch.equal(patch.values, batched[name].values)
+
     def test_a_receiver_that_drifted_is_refused_before_any_write(self) -> None:
         from deltasync.errors import IntegrityError
 

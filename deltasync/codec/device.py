@@ -1,4 +1,4 @@
-"""``compact`` and ``compact-abs`` rebuilt on the receiver's device: one host wait per file.
+"""``compact`` and ``compact-abs`` rebuilt on the receiver's device: one host wait per file (per 4M changes).
 
 The host path (:mod:`deltasync.codec.compact`) rebuilds indices and values with
 numpy and reads the receiver's bases back to the host. For weights on an
@@ -23,7 +23,8 @@ weights live:
    tensor on the device. A file of a few hundred tensors costs a few dozen
    kernels plus two per tensor (its base read), not dozens per tensor.
 4. **Wait**: the flags and the new bit patterns come back in one copy each, and
-   the host waits once. It raises the first failed check in file order, then
+   the host waits once (per batch of :data:`BATCH` changed elements, which
+   bounds the scratch memory on the device). It raises the first failed check in file order, then
    checks every tensor's value digest (BLAKE3 on a few threads: about 0.5 ns
    per change) before anything is written.
 
@@ -51,13 +52,15 @@ from ._zstd import decompress
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
 
-__all__ = ["DEVICE_CODECS", "DeviceReader", "Streams", "decode_on_device", "host_waits", "streams_of"]
+__all__ = ["BATCH", "DEVICE_CODECS", "DeviceReader", "Streams", "decode_on_device", "host_waits", "streams_of"]
 
 DEVICE_CODECS = frozenset({"compact", "compact-abs"})
 """The codecs this module rebuilds on a device."""
 _BITS = {2: torch.int16, 4: torch.int32}
 _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the side gaps view as int64
 
+BATCH = 1 << 22
+"""Changed elements per batch of :func:`decode_on_device` (one host wait each): about 400 MB of scratch."""
 host_waits = WaitCounter()
 """``host_waits()``: the waits so far (one per device per call of :func:`decode_on_device`)."""
 
@@ -115,8 +118,15 @@ def streams_of(
     return Streams(name, spec, nnz, params, codec == "compact", offset, iw, big, idx, val)
 
 
-def decode_on_device(items: Sequence[Streams], reader: DeviceReader) -> dict[str, Decoded]:
-    """Rebuild and validate every tensor of ``items`` on its device; one host wait per device.
+def decode_on_device(
+    items: Sequence[Streams], reader: DeviceReader, batch: int | None = None
+) -> dict[str, Decoded]:
+    """Rebuild and validate every tensor of ``items`` on its device; one host wait per device and batch.
+
+    Tensors go in batches of about ``batch`` changed elements (default :data:`BATCH`), which bounds the
+    scratch memory on the device (at most about 100 bytes per change of a batch, freed as it goes); the
+    results stay there until the applier writes them: int64 indices and the new values, 10 or 12 bytes
+    per changed element of the file.
 
     Returns:
         Per tensor, ``Decoded`` whose indices (int64, flat in the full tensor) and values live on the
@@ -129,9 +139,15 @@ def decode_on_device(items: Sequence[Streams], reader: DeviceReader) -> dict[str
     by_device: dict[torch.device, list[Streams]] = {}
     for item in items:
         by_device.setdefault(reader.device_of(item.name), []).append(item)
+    limit = BATCH if batch is None else batch
     out: dict[str, Decoded] = {}
     for device, group in by_device.items():
-        out.update(_decode_group(device, group, reader))
+        start, size = 0, 0
+        for end, item in enumerate(group, 1):
+            size += item.nnz
+            if size >= limit or end == len(group):
+                out.update(_decode_group(device, group[start:end], reader))
+                start, size = end, 0
     return {item.name: out[item.name] for item in items}
 
 
