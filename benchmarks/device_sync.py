@@ -12,8 +12,8 @@ median of ``--repeats`` runs with the spread (min, max):
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
 | replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids |
 | decode, device path | the same through the path of a replica on an accelerator (``stage=True`` on a CPU): rebuilt on the weights' device, and how many times the host waits | the same |
-| replica apply | ``TorchModuleApplier.apply`` (on an accelerator: staged) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
-| apply, staged | the same with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
+| replica apply | ``TorchModuleApplier.apply`` of what the replica's decode gave (on an accelerator: patches already there) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
+| apply, staged | patches decoded on the host (other codecs) with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
 | anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
 
@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode_waits = device_decode.host_waits()
         replica_decode(rebuilt)
         decode_waits = device_decode.host_waits() - decode_waits
-        _, patches = replica_decode()
+        _, patches = replica_decode()  # on an accelerator: rebuilt there, indices and values on the device
+        _, host_patches = decode(data, base=decoder.lookup)  # numpy, as the host path decodes them
         import safetensors.torch
 
         entries = safetensors.torch.load(bytes(data))
@@ -220,22 +221,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_floor_decompress = spread(floor_decompress, args.repeats, device)
         # What no base-relative decoder avoids: decompressing, and reading the base at every changed index.
         held = {n: bits_view(t).view(-1) for n, t in decoder.state().items()}
-        where = {n: torch.from_numpy(p.indices).to(device) for n, p in decode(data, base=decoder.lookup)[1].items()}
+        where = {n: torch.from_numpy(p.indices).to(device) for n, p in host_patches.items()}
         t_floor_decode = spread(
             lambda: (floor_decompress(), [held[n].index_select(0, i) for n, i in where.items()]), args.repeats, device
         )
         on_device = {
             n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
-            for n, p in patches.items()
+            for n, p in host_patches.items()
         }
         targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
-        staged = TorchModuleApplier(decoder.state(), stage=True)  # the path tensors on an accelerator take
-        t_apply_staged = spread(lambda: staged.apply(patches), args.repeats, device)
+        # The path of patches decoded on the host (other codecs) into tensors on an accelerator.
+        staged = TorchModuleApplier(decoder.state(), stage=True)
+        t_apply_staged = spread(lambda: staged.apply(host_patches), args.repeats, device)
         t_floor_apply = spread(
             lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in on_device.items()], args.repeats, device
         )
-        on_host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in patches.items()}
+        on_host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in host_patches.items()}
         if device.type == "cuda":
             on_host = {n: (i.pin_memory(), v.pin_memory()) for n, (i, v) in on_host.items()}
         t_floor_h2d_apply = spread(
