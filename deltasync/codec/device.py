@@ -247,10 +247,11 @@ def _decode_group(device: torch.device, items: list[Streams], reader: DeviceRead
     safe = None
     if any(item.base_relative for item in items):  # read the base at clamped indices: never out of bounds
         top = torch.repeat_interleave(col["top"], col["count"], output_size=plan.total)
-        safe = torch.minimum(indices.clamp_min(0), top) + torch.repeat_interleave(
-            col["offset"], col["count"], output_size=plan.total)
-    if any(item.offset for item in items):
-        indices = indices + torch.repeat_interleave(col["offset"], col["count"], output_size=plan.total)
+        safe = torch.minimum(indices.clamp_min(0), top)
+    if any(item.offset for item in items):  # shards: indices into the full tensor
+        shift = torch.repeat_interleave(col["offset"], col["count"], output_size=plan.total)
+        indices = indices + shift
+        safe = safe + shift if safe is not None else None
     position = {k: p for p, k in enumerate(plan.order)}
     span = {k: (int(plan.start[position[k]]), int(plan.start[position[k] + 1])) for k in range(len(items))}
     values: dict[int, torch.Tensor] = {}
@@ -267,8 +268,8 @@ def _decode_group(device: torch.device, items: list[Streams], reader: DeviceRead
                 a, b = span[k]
                 current[within : within + b - a] = reader.gather(items[k].name, safe[a:b])
                 within += b - a
-            segment = torch.repeat_interleave(torch.arange(len(members), device=device), col[f"count{key}"],
-                                              output_size=count)
+            tensors = torch.arange(len(members), dtype=torch.int32, device=device)  # 32-bit sort keys: 2x faster
+            segment = torch.repeat_interleave(tensors, col[f"count{key}"], output_size=count)
             buffer = _add_base(words, current, width, segment)
         else:
             buffer = words.to(_BITS[width])
@@ -317,9 +318,9 @@ def _indices(
     escaped = torch.cat(escaped_parts) if escaped_parts else torch.zeros(0, dtype=torch.bool, device=device)
     gaps += 1  # the gap plus the changed element itself
     tensors = len(plan.order)
-    owner = torch.repeat_interleave(torch.arange(tensors, device=device), col["count"], output_size=total)
-    counts = torch.zeros(tensors, dtype=torch.int64, device=device).index_add_(0, owner, escaped.to(torch.int64))
-    ok = counts == col["big"]
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    escapes = torch.cat([zero, escaped.to(torch.int64).cumsum_(0)])  # escapes before each position
+    ok = escapes[col["start"] + col["count"]] - escapes[col["start"]] == col["big"]
     # Each tensor's sum bounded in float first (per tensor, so one hostile stream cannot hide another's):
     # below it no sum wraps int64 and every index increases strictly.
     bound = col["count"].to(torch.float32) * col["scale"].to(torch.float32)
@@ -335,7 +336,7 @@ def _indices(
     summed = gaps.cumsum_(0)
     # Per tensor, subtract the sum before its first gap (int64 sums wrap alike, so a hostile neighbour
     # cannot shift these indices).
-    before = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), summed])[col["start"]]
+    before = torch.cat([zero, summed])[col["start"]]
     indices = summed.sub_(torch.repeat_interleave(before, col["count"], output_size=total)).sub_(1)
     if total:
         ok &= (col["count"] == 0) | (indices[col["last"]] < col["numel"])
@@ -358,7 +359,7 @@ def _add_base(words: torch.Tensor, current: torch.Tensor, width: int, segment: t
     mask = (1 << (8 * width)) - 1
     wide = words.dtype
     base = current.to(wide) & mask  # unsigned, in a type wide enough for the sum
-    key = segment * 256 + ((base >> (7 if width == 2 else 23)) & 0xFF)
+    key = segment * 256 + ((base >> (7 if width == 2 else 23)) & 0xFF).to(torch.int32)
     order = torch.argsort(key, stable=True)
     zigzag = torch.empty_like(words)
     zigzag[order] = words
