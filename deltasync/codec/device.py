@@ -9,7 +9,8 @@ weights live:
 
 1. **Host threads**: each tensor's zstd frames are decompressed (sizes checked
    against the header before any allocation, as on the host path), and every
-   stream is packed into one (pinned, on CUDA) host buffer.
+   stream is copied, on the same threads, into its place in one (pinned, on
+   CUDA) host buffer.
 2. **One copy** of that buffer to the device (1 to 4 bytes per change for
    positions and 2 or 4 for values, instead of 8 + 2 + 2 on the host path).
 3. **On the device, queued, for all tensors at once**: byte planes merged
@@ -196,23 +197,39 @@ class _Packing:
             self.val[key] = (at, sum(items[k].nnz for k in members))
             at = _aligned(at + key[1] * self.val[key][1])
         self.nbytes = at
+        # Where each tensor's own columns start within its layouts.
+        self.within: dict[int, tuple[int, int, int]] = {}  # tensor -> (index column, side byte, value column)
+        column = {iw: 0 for iw in self.idx}
+        side = self.side
+        for k in self.order:
+            self.within[k] = (column[items[k].iw], side, 0)
+            column[items[k].iw] += items[k].nnz
+            side += 8 * items[k].big
+        for members in self.values.values():
+            at = 0
+            for k in members:
+                self.within[k] = (*self.within[k][:2], at)
+                at += items[k].nnz
 
     def fill(self, out: np.ndarray, items: Sequence[Streams]) -> None:
-        """Write every stream and the table into ``out`` (host memory)."""
+        """Write the table and every stream into ``out`` (host memory), the streams on the decode threads."""
         at = 0
         for column in self.table.values():
             out[at : at + 8 * len(column)] = column.view(np.uint8)
             at += 8 * len(column)
-        for iw, (base, count, members) in self.idx.items():
-            _interleave(out[base : base + iw * count], iw, [(items[k].idx, items[k].nnz) for k in members])
-        side = self.side
-        for k in self.order:
-            n = 8 * items[k].big
-            out[side : side + n] = np.frombuffer(items[k].idx, dtype=np.uint8, offset=items[k].nnz * items[k].iw)
-            side += n
-        for key, (base, count) in self.val.items():
-            streams = [(items[k].val, items[k].nnz) for k in self.values[key]]
-            _interleave(out[base : base + key[1] * count], key[1], streams)
+        map_shared(lambda k: self._place(out, items[k], k), range(len(items)), [item.nnz for item in items])
+
+    def _place(self, out: np.ndarray, item: Streams, k: int) -> None:
+        """Copy one tensor's planes into its columns of the shared layouts, and its side gaps."""
+        n, (column, side, value) = item.nnz, self.within[k]
+        base, count, _ = self.idx[item.iw]
+        planes = out[base : base + item.iw * count].reshape(item.iw, count)
+        planes[:, column : column + n] = np.frombuffer(item.idx, dtype=np.uint8, count=item.iw * n).reshape(item.iw, n)
+        out[side : side + 8 * item.big] = np.frombuffer(item.idx, dtype=np.uint8, offset=item.iw * n)
+        width = item.spec.torch_dtype.itemsize
+        base, count = self.val[(item.base_relative, width)]
+        planes = out[base : base + width * count].reshape(width, count)
+        planes[:, value : value + n] = np.frombuffer(item.val, dtype=np.uint8).reshape(width, n)
 
     def columns(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         """The table's columns, on the device."""
@@ -222,17 +239,6 @@ class _Packing:
             out[key] = table[at : at + len(column)]
             at += len(column)
         return out
-
-
-def _interleave(out: np.ndarray, width: int, streams: list[tuple[bytes, int]]) -> None:
-    """Lay the byte planes of several streams (``(planes, count)`` each) plane by plane into ``out``:
-    plane ``k`` of every stream side by side, as if they were one stream."""
-    planes = out.reshape(width, -1)
-    within = 0
-    for data, count in streams:
-        source = np.frombuffer(data, dtype=np.uint8, count=width * count)
-        planes[:, within : within + count] = source.reshape(width, count)
-        within += count
 
 
 def _decode_group(device: torch.device, items: list[Streams], reader: DeviceReader) -> dict[str, Decoded]:
