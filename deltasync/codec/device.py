@@ -63,7 +63,7 @@ _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the si
 BATCH = 1 << 22
 """Changed elements per batch of :func:`decode_on_device` (one host wait each): about 400 MB of scratch."""
 host_waits = WaitCounter()
-"""``host_waits()``: the waits so far (one per device per call of :func:`decode_on_device`)."""
+"""``host_waits()``: the waits so far (one per device and batch in each call of :func:`decode_on_device`)."""
 
 
 class DeviceReader(Protocol):
