@@ -33,11 +33,9 @@ from typing import Any
 
 import torch
 
-from .tensors import TensorSpec
+from .tensors import BITS_BY_SIZE, TensorSpec
 
-__all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits"]
-
-_BITS = {2: torch.int16, 4: torch.int32}
+__all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits", "to_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +62,18 @@ class WaitCounter:
 
     def __call__(self) -> int:
         return self.count
+
+    def wait(self, device: torch.device) -> None:
+        """Wait for everything queued on ``device`` (its copies to the host included), and count it."""
+        self.count += 1
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of ``tensor`` into host memory (pinned, on CUDA): read it after a wait."""
+    pinned = tensor.device.type == "cuda"
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
 
 
 host_waits = WaitCounter()
@@ -127,7 +137,7 @@ def _chunks(
     specs: Sequence[TensorSpec], published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chunk: int
 ) -> Iterator[_Chunk]:
     for i, (spec, snap, weights) in enumerate(zip(specs, published, live)):
-        bits = _BITS[snap.element_size()]
+        bits = BITS_BY_SIZE[snap.element_size()]
         old, new = snap.view(bits).view(-1), weights.detach().reshape(-1)
         for start in range(0, spec.numel, chunk):
             yield _Chunk(i, start, new[start : start + chunk], old[start : start + chunk], bits, snap.dtype)
@@ -172,7 +182,7 @@ class _Outputs:
                 size["old", w] += n
         self.filled = [0] * len(specs)  # per sparse tensor: results written so far, chunk by chunk
         self.buffers = {
-            key: torch.empty(n, dtype=torch.int64 if key == "idx" else _BITS[key[1]], device=self.device)
+            key: torch.empty(n, dtype=torch.int64 if key == "idx" else BITS_BY_SIZE[key[1]], device=self.device)
             for key, n in size.items()
         }
 
@@ -189,14 +199,8 @@ class _Outputs:
         self.filled[i] += n
 
     def to_host(self) -> list[DeviceChange]:
-        pinned = self.device.type == "cuda"
-        host = {
-            key: torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t, non_blocking=pinned)
-            for key, t in self.buffers.items()
-        }
-        host_waits.count += 1
-        if pinned:
-            torch.cuda.current_stream(self.device).synchronize()  # wait 2: every copy above has landed
+        host = {key: to_host(t) for key, t in self.buffers.items()}
+        host_waits.wait(self.device)  # wait 2: every copy above has landed
         out = []
         for i, n in enumerate(self.nnz):
             if i in self.dense:

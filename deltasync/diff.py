@@ -32,7 +32,7 @@ import torch
 
 from .device_diff import changes_on_device
 from .errors import TensorMismatch
-from .tensors import TensorSpec, bits_view, published_dtype, published_tensors
+from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DENSE_FRACTION"]
 
@@ -50,7 +50,6 @@ _WORD_BYTES = 8
 _TWO_LEVEL_MIN = 1 << 12
 # Integer dtypes of the bit patterns, by width in bytes.
 _NUMPY_BITS = {2: np.dtype(np.int16), 4: np.dtype(np.int32)}
-_TORCH_BITS = {2: torch.int16, 4: torch.int32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +332,7 @@ def _published_bits(piece: torch.Tensor, published: torch.Tensor, scratch: _Scra
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     # tensors.bits_view, minus its dtype probe (a tensor allocation per call, ~2 us).
-    return tensor.view(_TORCH_BITS[tensor.element_size()])
+    return tensor.view(BITS_BY_SIZE[tensor.element_size()])
 
 
 def _word_aligned(tensor: torch.Tensor) -> bool:

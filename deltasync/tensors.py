@@ -21,6 +21,7 @@ from .errors import ConfigError, DeltaFormatError
 __all__ = [
     "TensorSpec",
     "DTYPE_BY_NAME",
+    "BITS_BY_SIZE",
     "dtype_name",
     "published_dtype",
     "bits_dtype",
@@ -39,7 +40,8 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "F32": torch.float32,
 }
 _NAME_BY_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
-_BITS_BY_SIZE = {2: torch.int16, 4: torch.int32}
+BITS_BY_SIZE = {2: torch.int16, 4: torch.int32}
+"""The signed integer dtype holding the bit patterns of a float of this many bytes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,7 +117,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The signed integer dtype with the same width as ``dtype``."""
-    return _BITS_BY_SIZE[torch.empty((), dtype=dtype).element_size()]
+    return BITS_BY_SIZE[torch.empty((), dtype=dtype).element_size()]
 
 
 def bits_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -485,25 +485,16 @@ class TestDevicePath:
 
     @pytest.mark.parametrize("tensors", [3, 300])
     def test_one_host_wait_and_no_scalar_reads(self, tensors: int) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         from deltasync.codec.device import host_waits
-
-        ops: list[str] = []
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                ops.append(str(func.overloadpacket))
-                return func(*args, **(kwargs or {}))
+        from tests.dispatch_helpers import host_wait_ops, recorded_ops
 
         data, base, target = self.delta(tensors)
         receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, stage=True)
         before = host_waits()
-        with Record():
+        with recorded_ops() as ops:
             _, patches = decode(data, base=receiver.lookup, on_device=receiver)
         assert host_waits() - before == 1
-        waits = {op for op in ops if op.split(".")[-1] in ("nonzero", "_local_scalar_dense", "item", "is_nonzero")}
-        assert not waits and "aten.cumsum_" in ops and "aten.sort" in ops
+        assert not host_wait_ops(ops) and "aten.cumsum_" in ops and "aten.sort" in ops
         receiver.apply(patches)
         for name, tensor in receiver.state().items():
             assert torch.equal(tensor.view(torch.int16), target[name].view(torch.int16)), name

@@ -279,24 +279,15 @@ class TestDevicePath:
     @pytest.mark.parametrize("tensors", [3, 300])
     def test_two_host_waits_whatever_the_tensor_count(self, tensors: int) -> None:
         """No per-tensor or per-chunk waits: no ``nonzero`` or scalar reads, and two transfers to the host."""
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         from deltasync.device_diff import host_waits
-
-        ops: list[str] = []
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                ops.append(str(func.overloadpacket))
-                return func(*args, **(kwargs or {}))
+        from tests.dispatch_helpers import host_wait_ops, recorded_ops
 
         live, snap = self.model(tensors)
         before = host_waits()
-        with Record():
+        with recorded_ops() as ops:
             changes = diff(snap, live, chunk=64, on_device=True)
         assert changes.nnz > 0 and host_waits() - before == 2
-        waits = {op for op in ops if op.split(".")[-1] in ("nonzero", "_local_scalar_dense", "item", "is_nonzero")}
-        assert not waits and "aten.nonzero_static" in ops
+        assert not host_wait_ops(ops) and "aten.nonzero_static" in ops
 
 
 @pytest.mark.cuda

@@ -45,10 +45,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..device_diff import WaitCounter
+from ..device_diff import WaitCounter, to_host
 from ..errors import CodecError
 from ..parallel import map_shared
-from ..tensors import TensorSpec
+from ..tensors import BITS_BY_SIZE, TensorSpec
 from ._zstd import decompress
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
@@ -57,7 +57,6 @@ __all__ = ["BATCH", "DEVICE_CODECS", "DeviceReader", "Streams", "decode_on_devic
 
 DEVICE_CODECS = frozenset({"compact", "compact-abs"})
 """The codecs this module rebuilds on a device."""
-_BITS = {2: torch.int16, 4: torch.int32}
 _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the side gaps view as int64
 
 BATCH = 1 << 22
@@ -197,18 +196,19 @@ class _Packing:
             self.val[key] = (at, sum(items[k].nnz for k in members))
             at = _aligned(at + key[1] * self.val[key][1])
         self.nbytes = at
-        # Where each tensor's own columns start within its layouts.
-        self.within: dict[int, tuple[int, int, int]] = {}  # tensor -> (index column, side byte, value column)
-        column = {iw: 0 for iw in self.idx}
-        side = self.side
+        # Per tensor: its first column in its index layout and in its value layout, and its side gaps' byte.
+        self.index_column: dict[int, int] = {}
+        self.side_at: dict[int, int] = {}
+        column, side = {iw: 0 for iw in self.idx}, self.side
         for k in self.order:
-            self.within[k] = (column[items[k].iw], side, 0)
+            self.index_column[k], self.side_at[k] = column[items[k].iw], side
             column[items[k].iw] += items[k].nnz
             side += 8 * items[k].big
+        self.value_column: dict[int, int] = {}
         for members in self.values.values():
             at = 0
             for k in members:
-                self.within[k] = (*self.within[k][:2], at)
+                self.value_column[k] = at
                 at += items[k].nnz
 
     def fill(self, out: np.ndarray, items: Sequence[Streams]) -> None:
@@ -221,7 +221,7 @@ class _Packing:
 
     def _place(self, out: np.ndarray, item: Streams, k: int) -> None:
         """Copy one tensor's planes into its columns of the shared layouts, and its side gaps."""
-        n, (column, side, value) = item.nnz, self.within[k]
+        n, column, side, value = item.nnz, self.index_column[k], self.side_at[k], self.value_column[k]
         base, count, _ = self.idx[item.iw]
         planes = out[base : base + item.iw * count].reshape(item.iw, count)
         planes[:, column : column + n] = np.frombuffer(item.idx, dtype=np.uint8, count=item.iw * n).reshape(item.iw, n)
@@ -268,29 +268,23 @@ def _decode_group(device: torch.device, items: list[Streams], reader: DeviceRead
         words = _unplanes(raw[at : at + width * count], width, count)
         if base_relative:
             assert safe is not None
-            current = torch.empty(count, dtype=_BITS[width], device=device)
-            within = 0
+            current = torch.empty(count, dtype=BITS_BY_SIZE[width], device=device)
             for k in members:
                 a, b = span[k]
-                current[within : within + b - a] = reader.gather(items[k].name, safe[a:b])
-                within += b - a
+                current[plan.value_column[k] : plan.value_column[k] + b - a] = reader.gather(items[k].name, safe[a:b])
             tensors = torch.arange(len(members), dtype=torch.int32, device=device)  # 32-bit sort keys: 2x faster
             segment = torch.repeat_interleave(tensors, col[f"count{key}"], output_size=count)
             buffer = _add_base(words, current, width, segment)
         else:
-            buffer = words.to(_BITS[width])
+            buffer = words.to(BITS_BY_SIZE[width])
         buffers[key] = buffer
-        within = 0
         for k in members:
-            values[k] = buffer[within : within + items[k].nnz]
-            within += items[k].nnz
+            values[k] = buffer[plan.value_column[k] : plan.value_column[k] + items[k].nnz]
 
     # The one wait: the flags and every value, back to the host together.
-    flags_host = _to_host(ok, pinned)
-    values_host = {key: _to_host(buffer, pinned) for key, buffer in buffers.items()}
-    host_waits.count += 1
-    if pinned:
-        torch.cuda.current_stream(device).synchronize()
+    flags_host = to_host(ok)
+    values_host = {key: to_host(buffer) for key, buffer in buffers.items()}
+    host_waits.wait(device)
     flags = flags_host.tolist()
     for k, item in enumerate(items):
         if not flags[position[k]]:
@@ -300,10 +294,9 @@ def _decode_group(device: torch.device, items: list[Streams], reader: DeviceRead
             )
     on_host: dict[int, np.ndarray] = {}
     for key, members in plan.values.items():
-        within, flat = 0, values_host[key].numpy()
+        flat = values_host[key].numpy()
         for k in members:
-            on_host[k] = flat[within : within + items[k].nnz]
-            within += items[k].nnz
+            on_host[k] = flat[plan.value_column[k] : plan.value_column[k] + items[k].nnz]
     map_shared(lambda k: check_values(on_host[k], items[k].params, items[k].spec), range(len(items)),
                [item.nnz for item in items])
     return {item.name: Decoded(indices[span[k][0] : span[k][1]], values[k]) for k, item in enumerate(items)}
@@ -370,13 +363,7 @@ def _add_base(words: torch.Tensor, current: torch.Tensor, width: int, segment: t
     zigzag = torch.empty_like(words)
     zigzag[order] = words
     delta = (zigzag >> 1) ^ -(zigzag & 1)
-    return ((base + delta) & mask).to(_BITS[width])
-
-
-def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-    host.copy_(tensor, non_blocking=pinned)
-    return host
+    return ((base + delta) & mask).to(BITS_BY_SIZE[width])
 
 
 def _aligned(at: int) -> int:

@@ -1,0 +1,31 @@
+"""Recording the torch ops a device path dispatches: how tests show it never waits per tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that make the host wait for a device's result (a data-dependent size, or a scalar read).
+HOST_WAIT_OPS = ("nonzero", "_local_scalar_dense", "item", "is_nonzero")
+
+
+@contextmanager
+def recorded_ops() -> Iterator[list[str]]:
+    """Inside the block, every dispatched op's name (``aten.cumsum_``...) is appended to the list yielded."""
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        yield ops
+
+
+def host_wait_ops(ops: list[Any]) -> set[str]:
+    """The ops in ``ops`` that would make the host wait for the device."""
+    return {op for op in ops if op.split(".")[-1] in HOST_WAIT_OPS}
