@@ -12,7 +12,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
 | replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids |
 | decode, device path | the same through the path of a replica on an accelerator (``stage=True`` on a CPU): rebuilt on the weights' device, and how many times the host waits | the same |
-| replica apply | ``TorchModuleApplier.apply`` of what the replica's decode gave (on an accelerator: patches already there) | ``index_copy_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
+| replica apply | ``TorchModuleApplier.apply`` of what the replica's decode gave (on an accelerator: patches already there) | the faster of ``index_copy_`` and ``index_put_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | patches decoded on the host (other codecs) with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
 | anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
@@ -234,9 +234,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The path of patches decoded on the host (other codecs) into tensors on an accelerator.
         staged = TorchModuleApplier(decoder.state(), stage=True)
         t_apply_staged = spread(lambda: staged.apply(host_patches), args.repeats, device)
-        t_floor_apply = spread(
+        # Torch's two scatter kernels: which is faster depends on the device and the density (tensors.write_at).
+        t_floor_copy = spread(
             lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in on_device.items()], args.repeats, device
         )
+        t_floor_put = spread(
+            lambda: [targets[n].index_put_((i,), v) for n, (i, v) in on_device.items()], args.repeats, device
+        )
+        t_floor_apply = min(t_floor_copy, t_floor_put, key=lambda t: t["median"])
         on_host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in host_patches.items()}
         if device.type == "cuda":
             on_host = {n: (i.pin_memory(), v.pin_memory()) for n, (i, v) in on_host.items()}
@@ -279,7 +284,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                        "host_waits": decode_waits, "tensors": len(model.masters),
                                        "spread": [t_decode_device, t_floor_decode, t_floor_decompress]}
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
-                         "floor_with_copy": t_floor_h2d_apply["median"], "spread": [t_apply, t_floor_apply]}
+                         "floor_with_copy": t_floor_h2d_apply["median"],
+                         "floor_index_copy": t_floor_copy["median"], "floor_index_put": t_floor_put["median"],
+                         "spread": [t_apply, t_floor_apply]}
         rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
                                  "floor_with_copy": t_floor_h2d_apply["median"],
                                  "spread": [t_apply_staged, t_floor_apply]}

@@ -12,8 +12,9 @@ the package's own code paths:
 
 next to bare memory passes over the same tensors in the same run: ``torch.ne``
 over every weight (what any exact change detection must at least read) and
-``index_copy_`` of the changed elements from ready-made index and value
-tensors (what any in-place apply must at least write).
+``index_copy_`` and ``index_put_`` of the changed elements from ready-made
+index and value tensors (what any in-place apply must at least write; the
+applier picks between the two kernels by density, :func:`deltasync.tensors.write_at`).
 
 The synthetic model is Llama-shaped (per layer: q, k, v, o of ``h x h``, gate,
 up, down of ``h x 8h/3``, two norms); a changed element moves by one bf16 step
@@ -57,7 +58,7 @@ HIDDEN = {"10M": 512, "30M": 768, "100M": 1024, "300M": 1536, "1B": 2048}
 LAYERS = {"10M": 3, "30M": 4, "100M": 8, "300M": 11, "1B": 20}
 DENSITIES = (0.001, 0.01, 0.1)
 CODECS = ("compact", "raw")
-STAGES = ("ne", "diff", "encode", "decode", "apply", "index_copy")
+STAGES = ("ne", "diff", "encode", "decode", "apply", "index_copy", "index_put")
 
 
 def synthetic_model(size: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -99,6 +100,12 @@ def bare_index_copy(replica: dict[str, torch.Tensor], changes: ChangeSet) -> Non
         bits_view(replica[change.spec.name]).view(-1).index_copy_(0, change.indices, change.values)
 
 
+def bare_index_put(replica: dict[str, torch.Tensor], changes: ChangeSet) -> None:
+    for change in changes.changes:
+        assert change.indices is not None
+        bits_view(replica[change.spec.name]).view(-1).index_put_((change.indices,), change.values)
+
+
 def receive(data: bytes, replica: TorchModuleApplier, base: TorchModuleApplier) -> tuple[Any, dict[str, Any]]:
     """A subscriber's checks and decoding: header, validation against the replica, full decode."""
     header = read_header(data)
@@ -125,6 +132,7 @@ def _round(r: int, snapshot: Snapshot, live: dict[str, torch.Tensor], published:
             if r == 0:  # the replica started at the published weights: it must now equal the live ones
                 exact = all(torch.equal(bits_view(replica[n]), bits_view(live[n])) for n in live)
             times["index_copy"].append(timed(lambda: bare_index_copy(replica, changes))[0])
+            times["index_put"].append(timed(lambda: bare_index_put(replica, changes))[0])
         decoded = data = None  # type: ignore[assignment]  # free before the next codec allocates
     return changes.nnz, changes.numel, exact
 
@@ -137,7 +145,7 @@ def measure(size: str, published: dict[str, torch.Tensor], live: dict[str, torch
         tensor.copy_(published[name])
     snapshot = Snapshot(published)
     target, base = TorchModuleApplier(replica), TorchModuleApplier(published)
-    times: dict[str, list[float]] = {k: [] for k in ("ne", "diff", "index_copy", "apply")}
+    times: dict[str, list[float]] = {k: [] for k in ("ne", "diff", "index_copy", "index_put", "apply")}
     times.update({f"{stage}_{c}": [] for stage in ("encode", "decode") for c in CODECS})
     sizes: dict[str, int] = {}
     exact = True
@@ -166,8 +174,10 @@ def _rates(t: dict[str, float], numel: int, nnz: int) -> dict[str, Any]:
         "decode_changed_per_s": {k: nnz / t[f"decode_{k}"] for k in CODECS},
         "apply_changed_per_s": nnz / t["apply"],
         "index_copy_changed_per_s": nnz / t["index_copy"],
+        "index_put_changed_per_s": nnz / t["index_put"],
         "publish_vs_ne": t["ne"] / publish,
         "apply_vs_index_copy": t["index_copy"] / t["apply"],
+        "apply_vs_index_put": t["index_put"] / t["apply"],
     }
 
 
@@ -202,7 +212,8 @@ def fit_constants(rows: list[dict[str, Any]], times: str = "t") -> dict[str, Any
     by other work on a shared machine).
     """
     big = [r for r in rows if r["numel"] >= 50_000_000] or rows
-    stages = ["ne", "diff", "index_copy", "apply"] + [f"{s}_{c}" for s in ("encode", "decode") for c in CODECS]
+    stages = ["ne", "diff", "index_copy", "index_put", "apply"]
+    stages += [f"{s}_{c}" for s in ("encode", "decode") for c in CODECS]
     out: dict[str, Any] = {"fitted_on": sorted({r["size"] for r in big}, key=lambda s: HIDDEN[s])}
     out.update({stage: _fit(big, stage, times) for stage in stages})
     return out
@@ -222,7 +233,8 @@ def per_element(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ratios = {"ne_ns_per_element": 1e9 * times["ne"] / r["numel"],
                       "diff_ns_per_element": 1e9 * times["diff"] / r["numel"],
                       "apply_ns_per_changed": 1e9 * times["apply"] / r["nnz"],
-                      "index_copy_ns_per_changed": 1e9 * times["index_copy"] / r["nnz"]}
+                      "index_copy_ns_per_changed": 1e9 * times["index_copy"] / r["nnz"],
+                      "index_put_ns_per_changed": 1e9 * times["index_put"] / r["nnz"]}
             for c in CODECS:
                 ratios[f"encode_{c}_ns_per_changed"] = 1e9 * times[f"encode_{c}"] / r["nnz"]
                 ratios[f"decode_{c}_ns_per_changed"] = 1e9 * times[f"decode_{c}"] / r["nnz"]
@@ -235,11 +247,12 @@ def report(rows: list[dict[str, Any]]) -> str:
     text = table(
         [[r["size"], f"{100 * r['density']:g} %", f"{1e3 * r['t']['ne']:.0f}", f"{1e3 * r['t']['diff']:.0f}",
           f"{1e3 * r['t'][f'encode_{c}']:.0f}", f"{1e3 * r['t'][f'decode_{c}']:.0f}", f"{1e3 * r['t']['apply']:.0f}",
-          f"{1e3 * r['t']['index_copy']:.0f}", f"{r['publish_elems_per_s'] / 1e6:.0f} M/s",
+          f"{1e3 * r['t']['index_copy']:.0f}", f"{1e3 * r['t']['index_put']:.0f}",
+          f"{r['publish_elems_per_s'] / 1e6:.0f} M/s",
           f"{r['receive_elems_per_s'] / 1e6:.0f} M/s", human_bytes(r["bytes"][c]), "yes" if r["exact"] else "NO"]
          for r in rows],
         ["model", "changed", "torch.ne ms", "diff ms", f"encode {c} ms", f"decode {c} ms", "apply ms",
-         "index_copy_ ms", "publish (elems/s)", "receive (elems/s)", f"{c} bytes", "bit-exact"],
+         "index_copy_ ms", "index_put_ ms", "publish (elems/s)", "receive (elems/s)", f"{c} bytes", "bit-exact"],
     )
     print(text)
     return text
@@ -255,7 +268,8 @@ def run_size(size: str, densities: tuple[float, ...], rounds: int, done: Callabl
         print(f"{size} ({row['numel'] / 1e6:.0f}M) at {100 * density:g} %: diff {1e3 * row['t']['diff']:.0f} ms, "
               f"encode {1e3 * row['t']['encode_compact']:.0f} ms, decode {1e3 * row['t']['decode_compact']:.0f} ms, "
               f"apply {1e3 * row['t']['apply']:.0f} ms, ne {1e3 * row['t']['ne']:.0f} ms, "
-              f"index_copy {1e3 * row['t']['index_copy']:.0f} ms ({t:.0f} s)", flush=True)
+              f"index_copy {1e3 * row['t']['index_copy']:.0f} ms, index_put {1e3 * row['t']['index_put']:.0f} ms "
+              f"({t:.0f} s)", flush=True)
         done(row)
 
 
@@ -269,7 +283,7 @@ def summarize(rows: list[dict[str, Any]], quick: bool, partial: bool) -> dict[st
                  "median and from minimum times; the cost per change depends on density. Stages: ne = bare "
                  "torch.ne, diff = deltasync.diff.diff, encode_<codec> = "
                  "encode_delta, decode_<codec> = read_header + validate + decode, apply = TorchModuleApplier.apply, "
-                 "index_copy = bare index_copy_.",
+                 "index_copy = bare index_copy_, index_put = bare index_put_.",
         "fit": fit_constants(rows),
         "fit_min": fit_constants(rows, "t_min"),
         "largest_model": per_element(rows),

@@ -7,7 +7,7 @@ same patch, median over repeats (every path writes the same final weights, so
 repeats are idempotent):
 
 - (a) deltasync's in-place apply: worker time of ``deltasync_apply`` (index map
-  translation + ``index_copy_``), and the follower's end-to-end ``apply`` (RPC,
+  translation + the scattered write), and the follower's end-to-end ``apply`` (RPC,
   serialization, version label): the engine pause per sync in pause mode;
 - (b) ``model.load_weights`` with every full tensor already in worker memory;
 - (c) vLLM's ``load_checkpoint_weight_patches`` with the same sparse patch;

@@ -32,7 +32,7 @@ import torch
 
 from .device_diff import changes_on_device
 from .errors import TensorMismatch
-from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors
+from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, write_at
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DENSE_FRACTION"]
 
@@ -174,7 +174,7 @@ class Snapshot:
             if change.indices is None:
                 bits.copy_(values.view(-1))
             else:
-                bits.index_copy_(0, change.indices.to(bits.device), values)
+                write_at(bits, change.indices.to(bits.device), values)
 
 
 def diff(

@@ -300,8 +300,9 @@ print(interval_sweep["table"])'''),
 
 Synthetic Llama-shaped bf16 models; a changed element moves one bf16 step. *Publish* is the diff against the
 snapshot plus `encode_delta` (compact codec); *apply* is what a replica does with the file: header, validation,
-decode with the base lookup, and the in-place `index_copy_` into its tensors. Dashed lines are the bare memory
-passes measured in the same run: `torch.ne` over every weight and `index_copy_` of the changed elements. Points are
+decode with the base lookup, and the in-place write into its tensors. Dashed lines are the bare memory passes
+measured in the same run: `torch.ne` over every weight, and `index_copy_` and `index_put_` of the changed elements
+(torch's two scatter kernels; the applier takes `index_put_` for scattered writes on the CPU). Points are
 medians of 9 rounds (5 from 300M parameters up); the bars reach from the fastest to the slowest round, which shows
 how much of a difference between two points is the shared machine's noise."""),
     ("code", '''\
@@ -313,7 +314,8 @@ for ax, d in zip(np.atleast_1d(axes), densities):
     n = np.array([r["numel"] for r in at], dtype=float)
     for key, label, style in (("diff", "diff", "-o"), ("encode_compact", "encode (compact)", "-o"),
                               ("decode_compact", "header+validate+decode", "-o"), ("apply", "apply in place", "-o"),
-                              ("ne", "bare torch.ne", "--"), ("index_copy", "bare index_copy_", "--")):
+                              ("ne", "bare torch.ne", "--"), ("index_copy", "bare index_copy_", "--"),
+                              ("index_put", "bare index_put_", ":")):
         med = np.array([r["t"][key] for r in at])
         low, high = np.array([r["t_min"][key] for r in at]), np.array([r["t_max"][key] for r in at])
         ax.errorbar(n, med, yerr=[med - low, high - med], fmt=style, ms=4, capsize=2, lw=1, label=label)
@@ -347,6 +349,82 @@ keys = list(next(iter(by.values()))["min"])
 print(f"{'':32}" + "".join(f"{100 * float(d):>10g} %" for d in by))
 for key in keys:
     print(f"{key:32}" + "".join(f"{by[d]['min'][key]:12.2f}" for d in by))'''),
+    ("md", """\
+## Bytes per change against the entropy floors, step by step
+
+The 40 versions of one SmolLM2-135M run (`benchmarks/payload.py`, AdamW, one version per optimizer step), each
+codec's bytes per changed element next to two floors computed on the same change sets: *i.i.d.* (each position
+drawn with its tensor's density, plus the entropy of the value steps) and *exponent-conditioned* (the same, given
+the bf16 exponent that the receiver already holds at every position). `compact`, the default, reads the receiver's
+weights only at the changed positions, so the i.i.d. floor is the one it can approach; `compact-exp` conditions
+on every element's exponent, an O(parameters) pass on both sides per version, which is why it is opt-in for slow
+links."""),
+    ("code", '''\
+run = load("payload")
+steps = [r["version"] for r in run["rows"]]
+fig, ax = plt.subplots(figsize=(8, 4))
+for key, color in (("raw", "tab:orange"), ("compact-abs", "tab:cyan"), ("compact", "tab:blue"),
+                   ("compact-exp", "tab:green")):
+    per = [r["codecs"][key]["bytes"] / r["nnz"] for r in run["rows"] if key in r["codecs"]]
+    if per:
+        ax.plot(steps[: len(per)], per, "o-", ms=3, color=color, label=key)
+ax.plot(steps, [r["entropy"]["iid_per_change"] for r in run["rows"]], "k--", label="floor, i.i.d.")
+ax.plot(steps, [r["entropy"]["exponent_per_change"] for r in run["rows"]], "k:", label="floor, given the exponents")
+ax.axhline(0.85, color="0.6", lw=0.8)
+ax.set(yscale="log", xlabel="version (optimizer step)", ylabel="bytes per changed element",
+       title=f"{run['model']}, lr {run['lr']:g}: bytes per change and their floors")
+ticks = [0.4, 0.6, 0.85, 1, 1.5, 2, 3, 4, 6]
+ax.minorticks_off()
+ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+fig.tight_layout()
+fig.savefig(FIGURES / "bytes_vs_floor.png", dpi=130, bbox_inches="tight")
+plt.show()
+late = run["rows"][-11:]  # steps 30-40: steady state
+for key in ("compact", "compact-exp"):
+    first = np.median([r["codecs"][key]["bytes"] / r["nnz"] for r in run["rows"][:8] if key in r["codecs"]])
+    last = np.median([r["codecs"][key]["bytes"] / r["nnz"] for r in late if key in r["codecs"]])
+    span = f"{late[0]['version']}-{late[-1]['version']}"
+    print(f"{key:12} median B/change, steps 1-8: {first:.2f}, steps {span}: {last:.2f}")
+for key in ("iid_per_change", "exponent_per_change"):
+    print(f"floor {key[:-11]:9} steps 1-8: {np.median([r['entropy'][key] for r in run['rows'][:8]]):.2f}, "
+          f"steady: {np.median([r['entropy'][key] for r in late]):.2f}")'''),
+    ("md", """\
+## Each stage of a version against its floor
+
+`benchmarks/device_sync.py` times every stage of a version through the public API (128M bf16 parameters in 64
+tensors, fp32 masters, 1 % changed) and, in the same run on the same device, the bare operation no exact
+implementation can skip: `ne` + `nonzero` for the diff, decompressing and reading the base at every changed
+index for the decode, `index_copy_` for the apply, a copy of every weight for the whole update and the anchors.
+A bar is the stage's median time divided by its floor's: 1 is the floor, and below 1 the stage beat the bare
+pass (the diff's chunks stay in cache where the bare pass does not). One panel per device with results."""),
+    ("code", '''\
+runs = {p.stem.split("_", 2)[-1]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("device_sync_*.json"))}
+fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
+for ax, (device, sync) in zip(axes[0], runs.items()):
+    names = [n for n, row in sync["stages"].items() if row.get("floor")]
+    ratio = [sync["stages"][n]["deltasync"] / sync["stages"][n]["floor"] for n in names]
+    colors = ["tab:green" if r <= 2 else "tab:orange" if r <= 5 else "tab:red" for r in ratio]
+    ax.barh(names, ratio, color=colors)
+    ax.axvline(1, color="k", lw=0.8)
+    ax.invert_yaxis()
+    ax.set(xscale="log", xlabel="time / floor (median; 1 = the bare pass)",
+           title=f"{device}: {sync['params'] / 1e6:.0f}M params, {100 * sync['density']:g} % changed")
+    ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50) if t < 2 * max(ratio)]
+    ax.minorticks_off()
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+    for y, (n, r) in enumerate(zip(names, ratio)):
+        ax.text(r, y, f" {1e3 * sync['stages'][n]['deltasync']:.0f} ms", va="center", fontsize=7)
+fig.tight_layout()
+fig.savefig(FIGURES / "stages_vs_floor.png", dpi=130, bbox_inches="tight")
+plt.show()
+for device, sync in runs.items():
+    print(device, sync["machine"]["cpu"], "; cuda:", sync["machine"].get("cuda"))
+    for name, row in sync["stages"].items():
+        extra = f"  {row['gb_per_s']:.2f} GB/s" if "gb_per_s" in row else ""
+        extra += f"  {row['changes_per_s'] / 1e6:.0f} M changes/s" if "changes_per_s" in row else ""
+        extra += f"  host waits {row['host_waits']}" if "host_waits" in row else ""
+        print(f"  {name:36} {1e3 * row['deltasync']:8.1f} ms  floor {1e3 * row['floor']:7.1f} ms{extra}")'''),
 ]
 
 NB04 = [

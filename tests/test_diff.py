@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import deltasync.diff as diff_module
 from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
-from deltasync.tensors import bits_view, fingerprint
+from deltasync.tensors import SCATTERED, bits_view, fingerprint, write_at
+from tests.dispatch_helpers import host_wait_ops, recorded_ops
 
 BF16 = torch.bfloat16
 
@@ -280,7 +281,6 @@ class TestDevicePath:
     def test_two_host_waits_whatever_the_tensor_count(self, tensors: int) -> None:
         """No per-tensor or per-chunk waits: no ``nonzero`` or scalar reads, and two transfers to the host."""
         from deltasync.device_diff import host_waits
-        from tests.dispatch_helpers import host_wait_ops, recorded_ops
 
         live, snap = self.model(tensors)
         before = host_waits()
@@ -320,3 +320,38 @@ def test_sparse_nonzero_matches_flatnonzero(n: int, density: float, seed: int) -
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, generator=gen) < density
     assert np.array_equal(_sparse_nonzero(mask.numpy()), np.flatnonzero(mask.numpy()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    count=st.one_of(st.integers(0, 8), st.integers(0, 5000)),
+    width=st.sampled_from([torch.int16, torch.int32]),
+    seed=st.integers(0, 2**16),
+)
+def test_write_at_is_exact_on_both_sides_of_its_kernel_switch(
+    n: int, count: int, width: torch.dtype, seed: int
+) -> None:
+    """Scattered writes take index_put_, denser ones index_copy_: both leave exactly the written bit patterns."""
+    gen = torch.Generator().manual_seed(seed)
+    count = min(count, n)
+    info = torch.iinfo(width)
+    flat = torch.randint(info.min, info.max, (n,), dtype=width, generator=gen)
+    index = torch.randperm(n, generator=gen)[:count].sort().values
+    values = torch.randint(info.min, info.max, (count,), dtype=width, generator=gen)
+    expected = flat.numpy().copy()
+    expected[index.numpy()] = values.numpy()
+    write_at(flat, index, values)
+    assert np.array_equal(flat.numpy(), expected)
+
+
+def test_write_at_switches_kernel_by_density() -> None:
+    flat = torch.zeros(SCATTERED * 100, dtype=torch.int16)
+    for count, kernel in ((1, "index_put_"), (99, "index_put_"), (100, "index_copy_"), (len(flat), "index_copy_")):
+        index = torch.arange(count) * (len(flat) // count)
+        values = torch.arange(1, count + 1, dtype=torch.int16)
+        flat.zero_()
+        with recorded_ops() as ops:
+            write_at(flat, index, values)
+        assert f"aten.{kernel}" in ops, (count, ops)
+        assert torch.equal(flat[index], values) and int(torch.count_nonzero(flat)) == count

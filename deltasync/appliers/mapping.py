@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from ..errors import TensorMismatch
-from ..tensors import TensorSpec, bits_dtype
+from ..tensors import TensorSpec, bits_dtype, write_at
 
 __all__ = [
     "Layout",
@@ -107,9 +107,9 @@ def _plain_read(data: torch.Tensor, runtime: torch.Tensor, published: torch.dtyp
 def _plain_write(data: torch.Tensor, runtime: torch.Tensor, bits: torch.Tensor, published: torch.dtype) -> None:
     flat = data.view(-1)
     if data.dtype == published:
-        flat.view(bits_dtype(data.dtype)).index_copy_(0, runtime, bits)
+        write_at(flat.view(bits_dtype(data.dtype)), runtime, bits)
     else:
-        flat.index_copy_(0, runtime, bits.view(published).to(data.dtype))
+        write_at(flat, runtime, bits.view(published).to(data.dtype))
 
 
 PLAIN = Layout(

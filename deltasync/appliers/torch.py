@@ -1,7 +1,8 @@
 """Apply deltas in place into a PyTorch module (or any mapping of tensors).
 
-Writes go through ``index_copy_`` into the existing storage of each parameter on
-its own device: O(changed elements), no reallocation, so optimizers, hooks and
+Writes go through :func:`~deltasync.tensors.write_at` (``index_put_`` or
+``index_copy_``) into the existing storage of each parameter on its own
+device: O(changed elements), no reallocation, so optimizers, hooks and
 captured graphs that hold the tensors keep seeing the live weights. Parameters
 may be held in the published dtype (bit-exact writes of the bit patterns) or in
 a wider float dtype (values are cast up, which is exact for bf16 -> fp32), and
@@ -20,7 +21,7 @@ from ..codec import Decoded
 from ..codec.device import DeviceReader
 from ..errors import ConfigError
 from ..format import Header
-from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors
+from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, write_at
 from .apply import check_header
 
 __all__ = ["TorchModuleApplier"]
@@ -147,7 +148,7 @@ class TorchModuleApplier:
         if indices is None:
             target.copy_(values.view(target.shape))
         elif target.is_contiguous():
-            target.view(-1).index_copy_(0, indices.to(target.device), values)
+            write_at(target.view(-1), indices.to(target.device), values)
         else:  # a transposed or sliced view: write through its own strides, still in place
             target.index_put_(torch.unravel_index(indices.to(target.device), target.shape), values)
 

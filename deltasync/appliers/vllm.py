@@ -31,8 +31,8 @@ Limitations:
 - Every map is proven against the checkpoint the engine loaded before the
   first write (:mod:`.verify`); a parameter that does not prove is refused.
 - Worker-side apply is O(changed elements) but a scattered write: on one CPU
-  core about 15 ms for a 0.57 % SmolLM2 delta (bare ``index_copy_`` of the
-  same elements: 11 ms; full ``load_weights``: 25-32 ms).
+  core about 60 % of a full ``load_weights`` for a 0.57 % SmolLM2 delta
+  (``benchmarks/vllm_apply.py``).
 - LoRA adapters are not touched (they are not checkpoint tensors).
 """
 
