@@ -136,9 +136,9 @@ def write_at(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> N
     Both of torch's kernels are exact here (indices are unique, so ``index_put_``'s unspecified
     order among duplicates never arises); they differ in speed on the CPU. For scattered writes
     (0.1-3 % of a tensor's elements, the density of RL steps) ``index_put_`` spreads over torch's
-    threads and ran 1.4-2.5x faster than ``index_copy_`` into weights not in cache on 2 cores, while
-    ``index_copy_`` stays ahead for denser writes (``benchmarks/device_sync.py`` times the apply
-    against a bare ``index_copy_``). Other devices keep ``index_copy_``.
+    threads and ran 1.6-3x faster than ``index_copy_`` into weights not in cache on 2 cores, while
+    ``index_copy_`` stays ahead for denser writes (1.4x at 10 %; ``benchmarks/throughput.py`` and
+    ``benchmarks/device_sync.py`` time both). Other devices keep ``index_copy_``.
     """
     if flat.device.type == "cpu" and index.numel() * SCATTERED < flat.numel():
         flat.index_put_((index,), values)
