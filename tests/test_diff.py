@@ -355,3 +355,15 @@ def test_write_at_switches_kernel_by_density() -> None:
             write_at(flat, index, values)
         assert f"aten.{kernel}" in ops, (count, ops)
         assert torch.equal(flat[index], values) and int(torch.count_nonzero(flat)) == count
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_write_at_on_cuda_keeps_index_copy_and_is_exact() -> None:
+    flat = torch.zeros(SCATTERED * 100, dtype=torch.int16, device="cuda")
+    index = torch.arange(0, len(flat), SCATTERED * 4, device="cuda")  # scattered: index_put_ on a CPU
+    values = torch.arange(1, len(index) + 1, dtype=torch.int16, device="cuda")
+    with recorded_ops() as ops:
+        write_at(flat, index, values)
+    assert "aten.index_copy_" in ops
+    assert torch.equal(flat[index], values) and int(torch.count_nonzero(flat)) == len(index)
