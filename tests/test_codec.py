@@ -614,3 +614,66 @@ def test_one_hostile_tensor_is_named_among_good_ones_on_the_device_path() -> Non
 
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("chunk", [1, 300, 1 << 18])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(cases=st.lists(scenarios(), min_size=1, max_size=6), codec=st.sampled_from(["compact", "compact-abs"]))
+def test_chunked_host_decode_gives_each_codecs_own_patches(
+    cases: list[tuple[str, np.ndarray, np.ndarray]], codec: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host decodes compact tensors a chunk at a time (codec/packed.py): for whole files of mixed
+    dtypes, gap widths, escapes, empty and dense tensors, in chunks of one tensor, a few, or all, every
+    patch equals what the tensor's codec decodes on its own."""
+    from deltasync.codec import packed
+    from deltasync.format import read_header
+    from deltasync.format.decode import file_entries
+
+    monkeypatch.setattr(packed, "CHUNK", chunk)
+    base = {f"t{i}": torch.from_numpy(b.copy()).view(DTYPES[d][0]) for i, (d, b, _) in enumerate(cases)}
+    target = {f"t{i}": torch.from_numpy(t.copy()).view(DTYPES[d][0]) for i, (d, _, t) in enumerate(cases)}
+    data = encode_delta(diff(Snapshot.capture(base, dtype=None), target), version=5, base_version=4, codec=codec)
+    receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, dtype=None)
+    _, chunked = decode(data, base=receiver.lookup)
+    header, entries = read_header(data), file_entries(bytes(data))
+    assert chunked.keys() == header.tensors.keys()
+    for name, entry in header.tensors.items():
+        parts = {key.split("::")[1]: part for key, part in entries.items() if key.split("::")[0] == name}
+        alone = get_codec(entry.codec).decode(parts, entry.params, entry.local_spec, entry.nnz, receiver.lookup)
+        if alone.indices is None:
+            assert chunked[name].indices is None
+        else:
+            np.testing.assert_array_equal(chunked[name].indices, alone.indices)
+        np.testing.assert_array_equal(chunked[name].values, alone.values)
+    receiver.apply(chunked)
+    for name, tensor in receiver.state().items():
+        assert torch.equal(bits_of(tensor), bits_of(target[name])), name
+
+
+def test_a_drifted_tensor_inside_a_chunk_is_named_and_nothing_is_decoded() -> None:
+    """One tensor of a chunk whose base differs from the delta's: the chunk is decoded again tensor by
+    tensor, which names that tensor (the first failure in file order) with the per-tensor message."""
+    from deltasync.errors import IntegrityError
+
+    gen = torch.Generator().manual_seed(5)
+    base = {f"t{i}": (torch.randn(40_000, generator=gen) * 0.02).to(torch.bfloat16) for i in range(5)}
+    target = {n: t.clone() for n, t in base.items()}
+    for tensor in target.values():
+        tensor.view(torch.int16)[torch.randperm(40_000, generator=gen)[:400]] += 1
+    data = encode_delta(diff(Snapshot.capture(base), target), version=5, base_version=4)
+    held = {n: t.clone() for n, t in base.items()}
+    changed = (target["t2"].view(torch.int16) != base["t2"].view(torch.int16)).nonzero()[0]
+    held["t2"].view(torch.int16)[changed] += 7  # this receiver drifted at a changed element of t2
+    with pytest.raises(IntegrityError, match="^t2: .*does not hold the delta's base"):
+        decode(data, base=TorchModuleApplier(held).lookup)
+
+
+def test_chunks_group_one_kind_in_file_order_up_to_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltasync.codec import packed
+
+    monkeypatch.setattr(packed, "CHUNK", 100)
+    sizes = [40, 40, 40, 500, 10, 10]
+    kinds = ["a", "b", "a", "a", "a", "b"]
+    assert packed.chunks(sizes, kinds) == [[0, 2], [1, 5], [3], [4]]

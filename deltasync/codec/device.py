@@ -1,7 +1,7 @@
 """``compact`` and ``compact-abs`` rebuilt on the receiver's device: one host wait per file (per 4M changes).
 
-The host path (:mod:`deltasync.codec.compact`) rebuilds indices and values with
-numpy and reads the receiver's bases back to the host. For weights on an
+The host path (:mod:`deltasync.codec.packed`, a chunk of tensors at a time) rebuilds
+indices and values with numpy and reads the receiver's bases back to the host. For weights on an
 accelerator that means moving int64 indices to the device and bases back for
 every tensor, and doing the prefix sums, the exponent sort and the zigzag on
 the CPU. Here the host only decompresses; the rest runs as torch ops where the

@@ -17,7 +17,8 @@ import torch
 
 from ..codec import BaseLookup, Decoded, get_codec
 from ..codec.device import DEVICE_CODECS, DeviceReader, Streams, decode_on_device, streams_of
-from ..errors import CodecError, DeltaFormatError, IntegrityError
+from ..codec.packed import chunks, decode_chunk
+from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, entry_span, raw_header, read_header
@@ -160,25 +161,73 @@ def decode_entries(
             raise
         return _place(patch, entry)
 
-    def first(name: str) -> Decoded | Streams:
+    def alone(name: str) -> Decoded | DeltaSyncError:
+        try:
+            return decode_one(name)
+        except DeltaSyncError as exc:  # raised below, the first in file order
+            return exc
+
+    def streams(name: str) -> Streams:
         entry = wanted[name]
-        if on_device is not None and entry.codec in DEVICE_CODECS:  # decompressed here, rebuilt on the device
-            return streams_of(name, entry.codec, grouped[name], entry.params, entry.local_spec, entry.nnz, entry.offset)
-        return decode_one(name)
+        return streams_of(name, entry.codec, grouped[name], entry.params, entry.local_spec, entry.nnz, entry.offset)
+
+    def chunk(names: list[str]) -> list[Decoded | DeltaSyncError]:
+        """Decompress and decode ``names`` together; tensor by tensor when any check fails (exact errors)."""
+        if wanted[names[0]].codec not in DEVICE_CODECS:
+            return [alone(name) for name in names]
+        try:
+            patches = decode_chunk([streams(name) for name in names], base)
+        except DeltaSyncError:
+            patches = None
+        if patches is None:
+            return [alone(name) for name in names]
+        return [_place(patch, wanted[name]) for name, patch in zip(names, patches)]
+
+    def prepared(name: str) -> Streams | Decoded | DeltaSyncError:
+        try:
+            return streams(name) if wanted[name].codec in DEVICE_CODECS else decode_one(name)
+        except DeltaSyncError as exc:
+            return exc
 
     names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
-    results = dict(zip(names, map_shared(first, names, [wanted[n].nnz for n in names])))
-    streams = [found for found in results.values() if isinstance(found, Streams)]
-    if streams:
-        assert on_device is not None
-        try:
-            results.update(decode_on_device(streams, on_device))
-        except IntegrityError as exc:
-            name = getattr(exc, "name", None)
-            if name in grouped:
-                _blame(name, wanted[name], grouped[name], exc)
-            raise
+    results: dict[str, object]
+    if on_device is not None:  # compact tensors decompressed here, rebuilt on the device
+        results = dict(zip(names, map_shared(prepared, names, [wanted[n].nnz for n in names])))
+        _raise_first(results)  # before anything goes to the device
+        on_host = [found for found in results.values() if isinstance(found, Streams)]
+        if on_host:
+            try:
+                results.update(decode_on_device(on_host, on_device))
+            except IntegrityError as exc:
+                name = getattr(exc, "name", None)
+                if name in grouped:
+                    _blame(name, wanted[name], grouped[name], exc)
+                raise
+    else:  # compact tensors a chunk at a time (codec/packed.py), the others one by one
+        kinds = [_kind(name, entry) for name, entry in wanted.items()]
+        groups = [[names[k] for k in group] for group in chunks([wanted[n].nnz for n in names], kinds)]
+        found = map_shared(chunk, groups, [sum(wanted[n].nnz for n in group) for group in groups])
+        decoded = {name: patch for group, patches in zip(groups, found) for name, patch in zip(group, patches)}
+        results = {name: decoded[name] for name in names}
+    _raise_first(results)
     return {name: found for name, found in results.items() if isinstance(found, Decoded)}
+
+
+def _kind(name: str, entry: TensorEntry) -> object:
+    """What tensors must share to be decoded in one chunk: codec, gap width and value width (a tensor of
+    another codec is a kind of its own). A malformed gap width still groups; the chunk then fails its
+    checks and its tensors are decoded, and refused, one by one."""
+    if entry.codec not in DEVICE_CODECS:
+        return name
+    iw = entry.params.get("iw")
+    return entry.codec, iw if type(iw) is int else None, entry.local_spec.torch_dtype.itemsize
+
+
+def _raise_first(results: Mapping[str, object]) -> None:
+    """Raise the first failure in file order, if any tensor failed."""
+    for found in results.values():
+        if isinstance(found, DeltaSyncError):
+            raise found
 
 
 def _blame(name: str, entry: TensorEntry, parts: Mapping[str, torch.Tensor], exc: IntegrityError) -> None:
