@@ -79,13 +79,14 @@ def _decode(items: Sequence[Streams], base: BaseLookup | None) -> list[Decoded]:
     if items[0].base_relative:
         if base is None:
             raise _Refused  # the per-tensor decoder says which tensor needs a base
-        current = np.empty(total, dtype=SIGNED[width])
+        reads = []
         for k, item in enumerate(items):
             a, b = int(starts[k]), int(starts[k + 1])
             got = np.ascontiguousarray(base(item.name, indices[a:b] + item.offset if item.offset else indices[a:b]))
             if got.shape != (b - a,) or got.dtype.itemsize != width:
                 raise _Refused
-            current[a:b] = got.view(SIGNED[width])
+            reads.append(got.view(SIGNED[width]))
+        current = reads[0] if len(reads) == 1 else np.concatenate(reads)
         values = _add_base(words, current, starts, width)
     else:
         values = words.view(SIGNED[width])
@@ -101,6 +102,8 @@ def _decode(items: Sequence[Streams], base: BaseLookup | None) -> list[Decoded]:
 
 def _joined(items: Sequence[Streams], streams: Sequence[bytes], width: int, dtype: np.dtype) -> np.ndarray:
     """The words of every tensor's leading ``nnz * width`` bytes of planes, one array for all."""
+    if len(items) == 1:  # a chunk of one large tensor: read in place, no joined copy
+        return unplanes(streams[0], items[0].nnz, dtype)
     if width == 1:
         return np.concatenate([np.frombuffer(s, dtype=np.uint8, count=item.nnz) for s, item in zip(streams, items)])
     planes = [
@@ -121,9 +124,8 @@ def _indices(items: Sequence[Streams], counts: np.ndarray, starts: np.ndarray) -
         raise _Refused  # some tensor's escape count differs from its params
     gaps = np.add(narrow, 1, dtype=np.int64)  # the gap plus the changed element itself
     if escaped.size:
-        side = np.concatenate([
-            np.frombuffer(item.idx, dtype=UNSIGNED[8], count=item.big, offset=item.nnz * iw) for item in items
-        ])
+        sides = [np.frombuffer(item.idx, dtype=UNSIGNED[8], count=item.big, offset=item.nnz * iw) for item in items]
+        side = sides[0] if len(sides) == 1 else np.concatenate(sides)
         # Per tensor, bound the sum in float first (as the per-tensor decoder does): below it nothing wraps.
         owner = np.repeat(np.arange(len(items)), bigs)
         sums = np.bincount(owner, weights=side.astype(np.float64), minlength=len(items))
@@ -131,10 +133,11 @@ def _indices(items: Sequence[Streams], counts: np.ndarray, starts: np.ndarray) -
             raise _Refused
         gaps[escaped] = side.astype(np.int64) + 1
     summed = torch.from_numpy(gaps).cumsum_(0).numpy()  # int64 sums wrap alike: each tensor's difference is exact
-    ends = starts[1:-1] - 1  # each later tensor's sum before its first gap (0 after empty tensors only)
-    before = np.zeros(len(items), dtype=np.int64)
-    before[1:] = np.where(ends >= 0, summed[np.maximum(ends, 0)], 0)
-    summed -= np.repeat(before, counts)
+    if len(items) > 1:  # each later tensor's sum before its first gap (0 after empty tensors only)
+        ends = starts[1:-1] - 1
+        before = np.zeros(len(items), dtype=np.int64)
+        before[1:] = np.where(ends >= 0, summed[np.maximum(ends, 0)], 0)
+        summed -= np.repeat(before, counts)
     summed -= 1
     last = summed[np.maximum(starts[1:] - 1, 0)]
     numel = np.array([item.spec.numel for item in items], dtype=np.int64)
