@@ -10,7 +10,7 @@ path queues everything and waits twice:
 2. **Wait 1**: all counts reach the host in one copy. The host lays out one
    output per bit width and decides which tensors changed densely.
 3. For every chunk with changes: cast and compare again, and write its
-   indices (``nonzero_static`` with the count now known: no wait), new and old
+   indices (:func:`~deltasync.tensors.positions` with the count now known: no wait), new and old
    bit patterns at their offsets in the output. A densely changed tensor is
    cast whole into the output instead.
 4. **Wait 2**: the outputs reach the host in one asynchronous copy each, into
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .tensors import BITS_BY_SIZE, TensorSpec
+from .tensors import BITS_BY_SIZE, TensorSpec, positions
 
 __all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits", "to_host"]
 
@@ -118,7 +118,7 @@ def changes_on_device(
                 out.whole(job.tensor, live[job.tensor])
         elif count:
             new = _new_bits(job, scratch)
-            hit = torch.nonzero_static(torch.ne(new, job.old), size=count).view(-1)
+            hit = positions(torch.ne(new, job.old), count)
             out.changes(job.tensor, hit + job.start, new[hit], job.old[hit])
     return out.to_host()  # wait 2
 

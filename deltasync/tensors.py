@@ -27,6 +27,7 @@ __all__ = [
     "bits_dtype",
     "bits_view",
     "write_at",
+    "positions",
     "check_publishable",
     "describe_differences",
     "fingerprint",
@@ -144,6 +145,40 @@ def write_at(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> N
         flat.index_put_((index,), values)
     else:
         flat.index_copy_(0, index, values)
+
+
+_NO_STATIC_KERNEL: set[str] = set()
+"""Device types whose torch build has no ``nonzero_static`` kernel (CUDA before torch 2.6, some others)."""
+
+
+def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The flat positions of the first ``count`` true elements of a 1-D ``mask``, without a host wait.
+
+    ``nonzero`` must wait for the device to learn its output's size; with ``count`` known
+    (the device paths count first, or read it from a header) ``nonzero_static`` need not.
+    Where a device type has no such kernel, the same positions come from a prefix sum and a
+    scatter (a few more passes over the mask, still no wait). Positions past the true
+    elements are 0; the callers' counts are exact, and they check them where a hostile input
+    could lie.
+    """
+    kind = mask.device.type
+    if kind not in _NO_STATIC_KERNEL:
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=0).view(-1)
+        except NotImplementedError:  # no kernel for this backend: remembered, the fallback below from now on
+            _NO_STATIC_KERNEL.add(kind)
+    return scattered_positions(mask, count)
+
+
+def scattered_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`positions` by a prefix sum and a scatter: each true element's rank is its slot.
+
+    False elements (and true ones past ``count``) all go to one spare slot at the end, which is dropped.
+    """
+    rank = mask.cumsum(0, dtype=torch.int64).sub_(1)
+    slot = torch.where(mask, rank, count).clamp_(max=count)
+    out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
 
 
 @dataclass(frozen=True, slots=True)

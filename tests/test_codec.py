@@ -533,6 +533,28 @@ class TestDevicePath:
         assert all(torch.equal(held[n].view(torch.int16), before[n].view(torch.int16)) for n in held)
 
 
+    def test_escapes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Escapes are patched through the scatter fallback on a backend without ``nonzero_static``."""
+        from deltasync import tensors
+        from deltasync.format import read_header
+
+        def missing(*args: object, **kwargs: object) -> torch.Tensor:
+            raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")
+
+        base = {"w": torch.zeros(70_000, dtype=torch.bfloat16)}
+        target = {"w": base["w"].clone()}
+        target["w"].view(torch.int16)[[*range(0, 120, 3), 40_000, 69_999]] = 7  # short gaps, two escapes
+        data = encode_delta(diff(Snapshot.capture(base), target), version=2, base_version=1)
+        assert read_header(data).tensors["w"].params["big"] == 2
+        monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
+        monkeypatch.setattr(torch, "nonzero_static", missing)
+        receiver = TorchModuleApplier({"w": base["w"].clone()}, stage=True)
+        _, patches = decode(data, base=receiver.lookup, on_device=receiver)
+        assert tensors._NO_STATIC_KERNEL == {"cpu"}
+        receiver.apply(patches)
+        assert torch.equal(receiver.state()["w"].view(torch.int16), target["w"].view(torch.int16))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_device_path_on_cuda_matches_the_host_path() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import deltasync.diff as diff_module
 from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
-from deltasync.tensors import SCATTERED, bits_view, fingerprint, write_at
+from deltasync.tensors import SCATTERED, bits_view, fingerprint, positions, scattered_positions, write_at
 from tests.dispatch_helpers import host_wait_ops, recorded_ops
 
 BF16 = torch.bfloat16
@@ -288,6 +288,39 @@ class TestDevicePath:
             changes = diff(snap, live, chunk=64, on_device=True)
         assert changes.nnz > 0 and host_waits() - before == 2
         assert not host_wait_ops(ops) and "aten.nonzero_static" in ops
+
+
+    def test_same_changes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A backend without ``nonzero_static`` (CUDA before torch 2.6): the scatter fallback, still two waits."""
+        from deltasync import tensors
+        from deltasync.device_diff import host_waits
+
+        def missing(*args: object, **kwargs: object) -> torch.Tensor:
+            raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")
+
+        monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
+        monkeypatch.setattr(torch, "nonzero_static", missing)
+        live, snap = self.model(13)
+        before = host_waits()
+        with recorded_ops() as ops:
+            device = diff(snap, live, chunk=100, on_device=True)
+        assert host_waits() - before == 2 and not host_wait_ops(ops) and "aten.scatter_" in ops
+        assert tensors._NO_STATIC_KERNEL == {"cpu"}  # tried once, then remembered
+        cpu = diff(snap, live, chunk=100)
+        assert [c.spec for c in cpu.changes] == [c.spec for c in device.changes] and cpu.nnz == device.nnz > 0
+        for a, b in zip(cpu.changes, device.changes):
+            assert torch.equal(a.values, b.values) and (a.dense or torch.equal(a.indices, b.indices))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 3000), density=st.floats(0, 1), extra=st.integers(-5, 5), seed=st.integers(0, 2**16))
+def test_scattered_positions_match_nonzero_static(n: int, density: float, extra: int, seed: int) -> None:
+    """The fallback gives nonzero_static's answer for any count: exact, fewer (cut), more (0-filled)."""
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < density
+    count = max(0, int(mask.sum()) + extra)
+    expected = torch.nonzero_static(mask, size=count, fill_value=0).view(-1)
+    assert torch.equal(scattered_positions(mask, count), expected)
+    assert torch.equal(positions(mask, count), expected)
 
 
 @pytest.mark.cuda

@@ -15,7 +15,7 @@ weights live:
    positions and 2 or 4 for values, instead of 8 + 2 + 2 on the host path).
 3. **On the device, queued, for all tensors at once**: byte planes merged
    (streams are packed by width, plane by plane, so one merge per plane serves
-   every tensor), escapes patched (``nonzero_static``: their count is in the
+   every tensor), escapes patched (:func:`~deltasync.tensors.positions`: their count is in the
    params, so no wait), gaps summed into indices with one prefix sum (each
    tensor's start subtracted); the base read at the indices, per tensor
    (clamped: a hostile stream is refused below, never read out of bounds); one
@@ -48,7 +48,7 @@ import torch
 from ..device_diff import WaitCounter, to_host
 from ..errors import CodecError
 from ..parallel import map_shared
-from ..tensors import BITS_BY_SIZE, TensorSpec
+from ..tensors import BITS_BY_SIZE, TensorSpec, positions
 from ._zstd import decompress
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
@@ -329,7 +329,7 @@ def _indices(
         ok &= torch.zeros(tensors, dtype=torch.int64, device=device).index_add_(
             0, side_owner, (side < 0).to(torch.int64)) == 0  # at or above 2**63
         bound = bound.index_add_(0, side_owner, side.to(torch.float32))
-        where = torch.nonzero_static(escaped, size=plan.big, fill_value=0).view(-1)
+        where = positions(escaped, plan.big)
         gaps.index_put_((where,), side + 1)
     ok &= bound < 2.0**61
     summed = gaps.cumsum_(0)
