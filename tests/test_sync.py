@@ -438,6 +438,33 @@ def test_waiting_on_a_run_of_another_model_raises_the_mismatch_at_once() -> None
         replica.close()
 
 
+def test_a_replica_on_the_device_path_waits_once_per_update_whatever_the_tensor_count() -> None:
+    """A whole ``Subscriber.update`` (fetch, checks, decode, apply) as a replica on an accelerator runs it,
+    on CPU tensors: one host wait for the file, no scalar reads or ``nonzero`` anywhere, and bit-exact."""
+    from deltasync.codec import device as device_decode
+    from tests.dispatch_helpers import host_wait_ops, recorded_ops
+
+    gen = torch.Generator().manual_seed(0)
+    masters = {f"layers.{i}.weight": torch.randn(20_000, generator=gen) * 0.02 for i in range(40)}
+    store = MemoryStore("one-wait")
+    held = {n: torch.zeros(20_000, dtype=torch.bfloat16) for n in masters}
+    with Publisher(masters, store) as pub, Subscriber(store, TorchModuleApplier(held, stage=True)) as sub:
+        pub.publish(0, block=True)
+        pub.flush()
+        sub.update()
+        for tensor in masters.values():
+            tensor[torch.randperm(20_000, generator=gen)[:200]] += 0.01
+        pub.publish(1, block=True)
+        pub.flush()
+        before = device_decode.host_waits()
+        with recorded_ops() as ops:
+            sub.update()
+        assert sub.version == 1 and device_decode.host_waits() - before == 1
+        assert not host_wait_ops(ops) and ops.count("aten.index_put_") >= len(masters)
+    for name, tensor in masters.items():
+        assert torch.equal(held[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_replica_is_written_through_the_staged_path_bit_exactly() -> None:

@@ -33,6 +33,9 @@ from ._zstd import compress, decompress
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 
 GAP_WIDTHS = (1, 2, 4)
+STREAM_CODECS = frozenset({"compact", "compact-abs"})
+"""The codecs whose tensors are rebuilt in batches from their decompressed streams: a chunk of tensors
+at a time on the host (:mod:`.packed`), or all of a file's at once on the receiver's device (:mod:`.device`)."""
 UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
 

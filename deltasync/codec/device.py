@@ -53,10 +53,8 @@ from ._zstd import decompress
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
 
-__all__ = ["BATCH", "DEVICE_CODECS", "DeviceReader", "Streams", "decode_on_device", "host_waits", "streams_of"]
+__all__ = ["BATCH", "DeviceReader", "Streams", "decode_on_device", "host_waits", "streams_of"]
 
-DEVICE_CODECS = frozenset({"compact", "compact-abs"})
-"""The codecs this module rebuilds on a device."""
 _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the side gaps view as int64
 
 BATCH = 1 << 22

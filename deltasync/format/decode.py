@@ -16,7 +16,8 @@ import safetensors.torch
 import torch
 
 from ..codec import BaseLookup, Decoded, get_codec
-from ..codec.device import DEVICE_CODECS, DeviceReader, Streams, decode_on_device, streams_of
+from ..codec.compact import STREAM_CODECS
+from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
 from ..codec.packed import chunks, decode_chunk
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..parallel import map_shared
@@ -173,7 +174,7 @@ def decode_entries(
 
     def chunk(names: list[str]) -> list[Decoded | DeltaSyncError]:
         """Decompress and decode ``names`` together; tensor by tensor when any check fails (exact errors)."""
-        if wanted[names[0]].codec not in DEVICE_CODECS:
+        if wanted[names[0]].codec not in STREAM_CODECS:
             return [alone(name) for name in names]
         try:
             patches = decode_chunk([streams(name) for name in names], base)
@@ -185,7 +186,7 @@ def decode_entries(
 
     def prepared(name: str) -> Streams | Decoded | DeltaSyncError:
         try:
-            return streams(name) if wanted[name].codec in DEVICE_CODECS else decode_one(name)
+            return streams(name) if wanted[name].codec in STREAM_CODECS else decode_one(name)
         except DeltaSyncError as exc:
             return exc
 
@@ -217,7 +218,7 @@ def _kind(name: str, entry: TensorEntry) -> object:
     """What tensors must share to be decoded in one chunk: codec, gap width and value width (a tensor of
     another codec is a kind of its own). A malformed gap width still groups; the chunk then fails its
     checks and its tensors are decoded, and refused, one by one."""
-    if entry.codec not in DEVICE_CODECS:
+    if entry.codec not in STREAM_CODECS:
         return name
     iw = entry.params.get("iw")
     return entry.codec, iw if type(iw) is int else None, entry.local_spec.torch_dtype.itemsize
