@@ -48,7 +48,7 @@ from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
-from deltasync.diff import DEFAULT_CHUNK, Snapshot, diff  # noqa: E402
+from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
 
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         waits = host_waits()
         changes = diff(snapshot, model.masters, on_device=True)
         waits = host_waits() - waits
-        chunks = sum(-(-t.numel() // DEFAULT_CHUNK) for t in model.masters.values())
+        chunks = sum(-(-t.numel() // DEVICE_CHUNK) for t in model.masters.values())
         assert changes.nnz == nnz, (changes.nnz, nnz)
         changes = diff(snapshot, model.masters)
         assert changes.nnz == nnz, (changes.nnz, nnz)

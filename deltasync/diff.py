@@ -34,12 +34,17 @@ from .device_diff import changes_on_device
 from .errors import TensorMismatch
 from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, write_at
 
-__all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DENSE_FRACTION"]
+__all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
 
 # Elements compared per step: 4 Mi elements keep the fp32 -> bf16 cast (8 MiB)
 # and the word mask (1 MiB) small while amortising per-op overhead (~5 us per
 # torch op); on SmolLM2-135M, 1-4 Mi are equally fast and 256 Ki is slower.
 DEFAULT_CHUNK = 1 << 22
+# Elements per step of the device path (deltasync.device_diff). There each step queues some 35 torch calls
+# (about 50 us of host time per chunk, measured on CPU tensors), so 4 Mi-element chunks would leave a GPU
+# waiting for its host: a 1B-parameter model is 256 of them. 32 Mi elements make that one chunk per tensor
+# up to 32M parameters, for 64 MiB of bf16 scratch and a 32 MiB mask on the device.
+DEVICE_CHUNK = 1 << 25
 # Above this fraction of changed elements a tensor is captured whole (int32 index + bf16 value, 6 bytes per
 # change, would cost more than 2 bytes per element); the encoder then sends it whole or as its changes,
 # whichever its codec makes smaller.
@@ -181,7 +186,7 @@ def diff(
     snapshot: Snapshot,
     source: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     dense_fraction: float = DENSE_FRACTION,
     on_device: bool = False,
 ) -> ChangeSet:
@@ -191,7 +196,8 @@ def diff(
         snapshot (`Snapshot`): the last published weights.
         source (`nn.Module` or `Mapping[str, Tensor]`): the live weights, in any
             floating dtype (fp32 masters are cast to the published dtype chunk by chunk).
-        chunk (`int`, *optional*): elements compared per step.
+        chunk (`int`, *optional*): elements compared per step (bounds the scratch memory); defaults to
+            :data:`DEFAULT_CHUNK` on the CPU path and :data:`DEVICE_CHUNK` on the device path.
         dense_fraction (`float`, *optional*): changed fraction above which a tensor
             is captured whole.
         on_device (`bool`, *optional*): find the changes with
@@ -205,7 +211,7 @@ def diff(
     Raises:
         `TensorMismatch`: the live weights no longer match the snapshot's names or shapes.
     """
-    if chunk <= 0:
+    if chunk is not None and chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     live = dict(published_tensors(source))
     if live.keys() != {s.name for s in snapshot.specs}:
@@ -222,13 +228,13 @@ def diff(
     if on_device or any(t.device.type != "cpu" for _, t in snapshot.items()):
         published = [snapshot[s.name] for s in snapshot.specs]
         found = changes_on_device(snapshot.specs, published, [live[s.name] for s in snapshot.specs],
-                                  chunk=chunk, dense_fraction=dense_fraction)
+                                  chunk=chunk or DEVICE_CHUNK, dense_fraction=dense_fraction)
         return ChangeSet(tuple(
             TensorChange(snapshot.specs[c.index], c.indices, c.values, c.base, c.nnz,
                          _bits(published[c.index]).view(-1))
             for c in found
         ), snapshot.specs)
-    scratch = _Scratch(chunk)
+    scratch = _Scratch(chunk or DEFAULT_CHUNK)
     changes = []
     for spec in snapshot.specs:
         change = _diff_tensor(spec, snapshot[spec.name], live[spec.name], scratch, dense_fraction)

@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
+from .diff import ChangeSet, Snapshot, diff
 
 __all__ = ["Forms", "smallest", "wire_cost"]
 
@@ -91,14 +91,14 @@ def wire_cost(changes: ChangeSet, *, skip: Collection[str] = ()) -> float:
 
 
 def smallest(
-    snapshot: Snapshot, source: Forms, *, chunk: int = DEFAULT_CHUNK, prefer: str | None = None
+    snapshot: Snapshot, source: Forms, *, chunk: int | None = None, prefer: str | None = None
 ) -> tuple[str, ChangeSet]:
     """The form of ``source`` whose change set from ``snapshot`` is estimated smallest, and that change set.
 
     Args:
         snapshot (`Snapshot`): the last published weights.
         source (`Forms`): the live weights' forms.
-        chunk (`int`, *optional*): elements compared per step.
+        chunk (`int`, *optional*): elements compared per step (``None``: :func:`diff`'s default for the path).
         prefer (`str`, *optional*): the form that wins a tie (the previous version's: no needless switch).
 
     Raises:

@@ -29,7 +29,7 @@ ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCL
 
 def check_options(
     *, codec: str, level: int, dtype: torch.dtype | None, anchor_every: int, anchor_ratio: float,
-    keep_anchors: int, part_bytes: int, lease_s: float, retire_grace_s: float, chunk: int,
+    keep_anchors: int, part_bytes: int, lease_s: float, retire_grace_s: float, chunk: int | None,
     on_publish: Callable[..., object] | None,
 ) -> None:
     """Refuse options that cannot work, naming the argument, before anything is read or written.
@@ -45,7 +45,8 @@ def check_options(
     check_int("level", level, low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
     for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors),
                         ("part_bytes", part_bytes), ("chunk", chunk)):
-        check_int(name, value, low=1)
+        if value is not None or name != "chunk":
+            check_int(name, value, low=1)
     check_number("anchor_ratio", anchor_ratio)
     check_number("lease_s", lease_s)
     check_number("retire_grace_s", retire_grace_s, zero_ok=True)

@@ -43,7 +43,7 @@ from .codec import DEFAULT_CODEC
 from .commit import ORPHAN_GRACE_S as ORPHAN_GRACE_S  # re-exported; defined with the commit rules
 from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
-from .diff import DEFAULT_CHUNK, ChangeSet, Snapshot, diff
+from .diff import ChangeSet, Snapshot, diff
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
 from .format import DEFAULT_LEVEL, Window, encode_anchor_parts, encode_delta, header_ref
 from .forms import Forms, smallest
@@ -124,6 +124,8 @@ class Publisher:
         retire_grace_s (`float`, *optional*, defaults to 300): how long objects dropped by retention stay
             in the store, so replicas that read an older manifest finish their downloads.
         takeover (`bool`, *optional*): take the prefix over even if another writer's lease is live.
+        chunk (`int`, *optional*): elements the diff compares per step, which bounds its scratch memory
+            (``None``: 4 Mi elements for weights on the CPU, 32 Mi for weights on an accelerator).
         store_options: passed to :func:`open_store` when ``store`` is a URL.
 
     Example:
@@ -151,7 +153,7 @@ class Publisher:
         lease_s: float = LEASE_S,
         retire_grace_s: float = RETIRE_GRACE_S,
         takeover: bool = False,
-        chunk: int = DEFAULT_CHUNK,
+        chunk: int | None = None,
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:

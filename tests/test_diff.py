@@ -290,6 +290,20 @@ class TestDevicePath:
         assert not host_wait_ops(ops) and "aten.nonzero_static" in ops
 
 
+    def test_the_device_path_takes_larger_chunks_by_default(self) -> None:
+        """Each chunk costs host calls that a GPU waits on: the device path compares DEVICE_CHUNK elements a
+        step unless told otherwise (one compare per pass here, where the CPU path's chunk would take two)."""
+        from deltasync.diff import DEFAULT_CHUNK, DEVICE_CHUNK
+
+        assert DEVICE_CHUNK > DEFAULT_CHUNK
+        live = {"w": torch.zeros(DEFAULT_CHUNK + 10)}
+        snap = Snapshot.capture(live)
+        live["w"][[3, DEFAULT_CHUNK + 5]] = 1.0
+        for chunk, compares in ((None, 2), (DEFAULT_CHUNK, 4)):
+            with recorded_ops() as ops:
+                change = diff(snap, live, chunk=chunk, on_device=True).changes[0]
+            assert ops.count("aten.ne") == compares and change.indices.tolist() == [3, DEFAULT_CHUNK + 5]
+
     def test_same_changes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A backend without ``nonzero_static`` (CUDA before torch 2.6): the scatter fallback, still two waits."""
         from deltasync import tensors
