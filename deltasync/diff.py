@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .device_diff import changes_on_device
+from .device_diff import changes_on_device, settle
 from .errors import TensorMismatch
 from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, write_at
 
@@ -154,6 +154,7 @@ class Snapshot:
             kind = published_dtype(source, name, tensor, dtype)
             copy = torch.empty(tensor.shape, dtype=kind, device=device or tensor.device)
             copies[name] = copy.copy_(tensor.detach())
+        settle(t.device for t in copies.values())  # read next on the publisher's thread (the first anchor)
         return cls(copies)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -180,6 +181,7 @@ class Snapshot:
                 bits.copy_(values.view(-1))
             else:
                 write_at(bits, change.indices.to(bits.device), values)
+        settle(self._tensors[c.spec.name].device for c in changes.changes)  # read next by the training thread's diff
 
 
 def diff(

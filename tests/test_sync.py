@@ -481,3 +481,28 @@ def test_a_cuda_replica_is_written_through_the_staged_path_bit_exactly() -> None
             for (name, a), b in zip(trainer.named_parameters(), rep.parameters()):
                 assert b.device.type == "cuda"
                 assert torch.equal(a.detach().to(torch.bfloat16).view(torch.int16), b.detach().cpu().view(torch.int16)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_trainer_stepping_on_its_own_cuda_stream_publishes_exactly() -> None:
+    """The snapshot is captured and diffed on the trainer's stream and advanced on the publisher's thread:
+    the hand-offs wait for the device (``device_diff.settle``), so no anchor or delta reads it half-written."""
+    trainer = model().cuda()
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
+    rep, applier = replica()
+    store = MemoryStore("side-stream")
+    side = torch.cuda.Stream()
+    with Publisher(trainer, store, anchor_every=4) as pub, Subscriber(store, applier) as sub:
+        for step in range(9):
+            with torch.cuda.stream(side):
+                for _ in range(20):  # keep the stream busy, so a missing wait would show
+                    trainer(torch.randn(4096, 64, device="cuda")).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                pub.publish(step, block=True)
+            pub.flush()
+            sub.update()
+            for (name, a), b in zip(trainer.named_parameters(), rep.parameters()):
+                assert torch.equal(a.detach().to(torch.bfloat16).cpu().view(torch.int16), b.detach().view(torch.int16)), name
+
