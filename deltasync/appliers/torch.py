@@ -19,6 +19,7 @@ import torch
 
 from ..codec import Decoded
 from ..codec.device import DeviceReader
+from ..device_diff import settle
 from ..errors import ConfigError
 from ..format import Header
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, write_at
@@ -97,7 +98,8 @@ class TorchModuleApplier:
         copied into one pinned host buffer per kind, moved to the device in one
         asynchronous copy each, and written from there, so the host never waits
         for the device tensor by tensor (``stage=True`` at construction stages CPU
-        tensors too). Whole tensors (anchors) are large enough to go one by one.
+        tensors too). Whole tensors (anchors) are large enough to go one by one. It returns once the
+        writes have run on the device, so any stream that reads the weights next sees them whole.
         """
         with torch.no_grad():
             staged: dict[torch.device, list[tuple[str, Decoded]]] = {}
@@ -111,6 +113,8 @@ class TorchModuleApplier:
                     self._write(name, _optional(patch.indices), _tensor(patch.values))
             for device, items in staged.items():
                 self._apply_staged(device, items)
+        # Done means done on every stream: inference may read the weights on a stream of its own.
+        settle(self._tensors[name].device for name in decoded)
 
     def _apply_staged(self, device: torch.device, items: list[tuple[str, Decoded]]) -> None:
         """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``.
