@@ -20,9 +20,18 @@ median of ``--repeats`` runs with the spread (min, max):
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
 
+With ``--checkpoints``, the weights and their steps are a real run's instead: the
+first checkpoint is the starting weights, and every later one replaces all
+weights in turn (its changes against the one before are the step; the first step
+is the one each stage is timed on, the later ones feed the whole-update rounds,
+so give ``--repeats`` + 2 of them for every round). Each checkpoint is a
+safetensors file or a directory of them, all with the same tensors; the results
+go to ``device_sync_<device>_checkpoints.json``.
+
     python benchmarks/device_sync.py                      # cpu, 128M params in 64 tensors, 1 % density
     python benchmarks/device_sync.py --device cuda --params 1e9
     python benchmarks/device_sync.py --quick              # CI: 8M params, results in a temp dir
+    python benchmarks/device_sync.py --device cuda --checkpoints run/step-*.safetensors
 """
 
 from __future__ import annotations
@@ -97,6 +106,47 @@ class Model:
         return moved
 
 
+class Checkpoints:
+    """A real run's weights: the first checkpoint on ``device``; each step loads the next one in place."""
+
+    def __init__(self, paths: list[str], device: torch.device) -> None:
+        if len(paths) < 3:
+            raise SystemExit("--checkpoints needs at least 3: the start, the step timed, one whole-update round")
+        self.paths, self.device, self.next = paths, device, 1
+        self.masters = {n: t.to(device) for n, t in load_checkpoint(paths[0]).items()}
+        self.rounds = len(paths) - 2
+
+    def step(self, density: float) -> int:
+        """Replace every weight by the next checkpoint's (``density`` is the run's own); how many changed."""
+        if self.next >= len(self.paths):
+            raise SystemExit(f"--checkpoints: {len(self.paths)} are not enough for the rounds asked for")
+        loaded = load_checkpoint(self.paths[self.next])
+        if {n: (t.shape, t.dtype) for n, t in loaded.items()} != {
+            n: (t.shape, t.dtype) for n, t in self.masters.items()
+        }:
+            raise SystemExit(f"{self.paths[self.next]}: not the tensors of {self.paths[0]} (names, shapes, dtypes)")
+        moved = 0
+        for name, tensor in self.masters.items():
+            new = loaded[name].to(self.device)
+            moved += int(torch.ne(bits_view(new.to(torch.bfloat16)), bits_view(tensor.to(torch.bfloat16))).sum())
+            tensor.copy_(new)
+        self.next += 1
+        return moved
+
+
+def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or of all the ``*.safetensors`` files of a directory."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+    if not files:
+        raise SystemExit(f"{path}: no safetensors files")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        out.update(load_file(str(file)))
+    return {n: t for n, t in out.items() if t.is_floating_point()}
+
+
 def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.device, **options: Any) -> dict[str, Any]:
     """Anchors into a fresh local store and a fresh replica: seconds to publish the first (its snapshot
     allocated and captured on the way) and a periodic one (from the snapshot kept since), to load the
@@ -105,6 +155,7 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
     replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
     infos: list[Any] = []
     first = next(iter(masters.values())).view(-1)
+    kept = first[0].clone()  # put back after the round: the run's replica still holds the original
     try:
         started = time.perf_counter()
         with Publisher(masters, str(store), on_publish=infos.append, anchor_every=1, **options) as publisher:
@@ -123,6 +174,7 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
                    for n, t in masters.items())
         files = len([p for p in (store / "anchors").iterdir() if "0000000001" in p.name])
     finally:
+        first[0] = kept
         shutil.rmtree(store.parent, ignore_errors=True)
     return {"publish": publish_s, "periodic": periodic.t_total, "load": load_s, "bytes": periodic.bytes,
             "files": files}
@@ -135,7 +187,13 @@ def floor_diff(model: Model, snapshot: Snapshot) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    model = Model(int(args.params), args.tensors, device)
+    model: Model | Checkpoints
+    if args.checkpoints:
+        model = Checkpoints(args.checkpoints, device)
+        update_rounds = min(args.repeats, model.rounds)  # whole updates: one checkpoint each
+    else:
+        model = Model(int(args.params), args.tensors, device)
+        update_rounds = args.repeats
     numel = sum(t.numel() for t in model.masters.values())
     weight_bytes = 2 * numel
     shm = Path("/dev/shm")
@@ -251,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         # The whole replica update through the store, against copying every weight from host memory.
         updates = []
-        for version in range(1, args.repeats + 1):
+        for version in range(1, update_rounds + 1):
             model.step(args.density)
             publisher.publish(version, block=True)
             publisher.flush()
@@ -298,8 +356,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": str(device),
         "params": numel,
-        "tensors": args.tensors,
-        "density": args.density,
+        "tensors": len(model.masters),
+        "density": nnz / numel if args.checkpoints else args.density,
+        "checkpoints": args.checkpoints,
         "changes": nnz,
         "delta_bytes": delta_bytes,
         "bytes_per_change": delta_bytes / nnz,
@@ -319,6 +378,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="8M params, 3 repeats, results in a temp dir")
     parser.add_argument("--out", help="results directory")
+    parser.add_argument("--checkpoints", nargs="+", metavar="PATH",
+                        help="a real run instead of the synthetic model: safetensors files (or directories of "
+                             "them) of consecutive steps, at least --repeats + 2 for every whole-update round")
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.repeats = 8e6, 3
@@ -326,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(args)
     result["machine"] = shared_machine(load, "times are medians of --repeats runs on a shared machine")
     device = torch.device(args.device).type
-    path = write_json(f"device_sync_{device}", result, results_dir(args.quick, args.out))
+    name = f"device_sync_{device}_checkpoints" if args.checkpoints else f"device_sync_{device}"
+    path = write_json(name, result, results_dir(args.quick, args.out))
     rows = []
     for stage, row in result["stages"].items():
         ratio = row["deltasync"] / row["floor"] if row["floor"] else float("inf")
@@ -340,8 +403,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "host_waits" in row:
                 extra += f"; {row['host_waits']} host wait(s) for {row['tensors']} tensors"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])
-    print(f"{result['params'] / 1e6:.0f}M params on {result['device']}, {result['changes']:,} changes "
-          f"({human_bytes(result['delta_bytes'])}, {result['bytes_per_change']:.2f} B/change), "
+    print(f"{result['params'] / 1e6:.0f}M params in {result['tensors']} tensors on {result['device']}, "
+          f"{result['changes']:,} changes ({100 * result['density']:.2f} %) "
+          f"in {human_bytes(result['delta_bytes'])} ({result['bytes_per_change']:.2f} B/change), "
           f"exact: {result['exact']}")
     print(table(rows, ["stage", "deltasync", "floor", "ratio", ""]))
     print(f"wrote {path}")

@@ -21,6 +21,11 @@ markdown table.
 
     python benchmarks/payload.py            # 40 steps at lr 3e-6 (steady state: the last 10)
     python benchmarks/payload.py --quick    # 3 steps
+    python benchmarks/payload.py --save-checkpoints /dev/shm/smollm2 --save-from 30   # also keep steps 30-40
+
+``--save-checkpoints`` writes the published (bf16) weights after each step from
+``--save-from`` on as ``step-NNNN.safetensors``: real steps for
+``device_sync.py --checkpoints``.
 
 Sweeps (``benchmarks/_sweep.py``) compare every layout, the public prototype
 layouts and dense baselines included, on the same deltas, against learning
@@ -60,7 +65,7 @@ from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta  # noqa: E402
 from deltasync.models import chat_batches, load_smollm2, train_step  # noqa: E402
-from deltasync.tensors import bits_view  # noqa: E402
+from deltasync.tensors import bits_view, published_tensors  # noqa: E402
 
 # compact-exp codes positions per base exponent: an O(numel) pass per version on both sides (slow links).
 CODECS = ["raw", "compact-abs", "compact", "compact-exp"]
@@ -211,6 +216,16 @@ def print_report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return report
 
 
+def save(args: argparse.Namespace, step: int, model: torch.nn.Module) -> None:
+    """With ``--save-checkpoints``: the weights as published after ``step``, from ``--save-from`` on."""
+    if args.save_checkpoints and step >= args.save_from:
+        from safetensors.torch import save_file
+
+        Path(args.save_checkpoints).mkdir(parents=True, exist_ok=True)
+        published = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in published_tensors(model)}
+        save_file(published, str(Path(args.save_checkpoints) / f"step-{step:04d}.safetensors"))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -220,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="payload", help="results file name (without .json)")
     parser.add_argument("--sweep", choices=["lr", "interval"], help="run a payload sweep instead")
     parser.add_argument("--results-dir", help="where to write the JSON (default: results/, quick: a temp dir)")
+    parser.add_argument("--save-checkpoints", metavar="DIR", help="write each step's bf16 weights here")
+    parser.add_argument("--save-from", type=int, default=0, help="the first step saved (0: the weights before training)")
     args = parser.parse_args(argv)
     if args.sweep:
         import _sweep
@@ -239,11 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     applier = TorchModuleApplier(replica)
 
     rows = []
+    save(args, 0, model)
     for step in range(1, steps + 1):
         t_train, loss = timed(lambda: train_step(model, optimizer, batches[(step - 1) % len(batches)]))
         row = measure_step(model, snapshot, applier, step)
         row.update(loss=loss, t_train=t_train)
         rows.append(row)
+        save(args, step, model)
         c = row["codecs"]
         print(
             f"step {step}/{steps}: loss {loss:.3f}, sparsity {100 * row['sparsity']:.3f} %, "

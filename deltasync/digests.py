@@ -12,6 +12,7 @@ readable. Both give 32-byte digests, written as 64 lowercase hex digits.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -55,9 +56,12 @@ def matches(buffers: Iterable[Any], algorithm: str, expected: str) -> bool:
     return hexdigest(buffers, algorithm) == expected
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def is_hex(value: object) -> bool:
     """A digest's spelling: 64 lowercase hex digits."""
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
 def read(raw: Mapping[str, Any], what: str, error: type[Exception]) -> tuple[str, Any] | None:

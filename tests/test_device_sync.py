@@ -30,3 +30,45 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout
+
+
+def test_device_sync_on_checkpoints_of_a_run(tmp_path: Path) -> None:
+    """``--checkpoints``: a run's own weights and steps (files, or directories of files) instead of the
+    synthetic model; the step timed is the first checkpoint's change to the second, counted exactly."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"layers.{i}.weight": (torch.randn(300, 40, generator=gen) * 0.02).to(torch.bfloat16) for i in range(6)}
+    weights["norm.weight"] = torch.ones(40, dtype=torch.bfloat16)
+    paths, changed = [], []
+    for k in range(4):
+        if k:  # a step: some elements move by one or a few ulps
+            moved = 0
+            for tensor in weights.values():
+                bits = tensor.view(torch.int16).view(-1)
+                where = torch.randperm(bits.numel(), generator=gen)[: bits.numel() // 50]
+                bits[where] += torch.randint(1, 4, (len(where),), generator=gen, dtype=torch.int16)
+                moved += len(where)
+            changed.append(moved)
+        if k == 1:  # a directory of two files
+            (tmp_path / "step-1").mkdir()
+            names = sorted(weights)
+            save_file({n: weights[n].clone() for n in names[:3]}, str(tmp_path / "step-1" / "a.safetensors"))
+            save_file({n: weights[n].clone() for n in names[3:]}, str(tmp_path / "step-1" / "b.safetensors"))
+            paths.append(str(tmp_path / "step-1"))
+        else:
+            save_file({n: t.clone() for n, t in weights.items()}, str(tmp_path / f"step-{k}.safetensors"))
+            paths.append(str(tmp_path / f"step-{k}.safetensors"))
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "device_sync.py"), "--checkpoints", *paths, "--repeats", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "device_sync_cpu_checkpoints.json").read_text())
+    assert result["exact"] and result["checkpoints"] == paths and result["tensors"] == 7
+    assert result["changes"] == changed[0] and result["density"] == changed[0] / result["params"]
+    assert result["params"] == 6 * 300 * 40 + 40
+    assert all(stage["deltasync"] > 0 for stage in result["stages"].values())
