@@ -135,12 +135,15 @@ class Checkpoints:
 
 
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, or of all the ``*.safetensors`` files of a directory."""
+    """Every tensor of a safetensors file, or of a checkpoint directory's files (its index's, else all)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
-    if not files:
-        raise SystemExit(f"{path}: no safetensors files")
+    from deltasync.appliers.checkpoint_files import checkpoint_files
+
+    try:
+        files = checkpoint_files(Path(path)) if Path(path).is_dir() else [Path(path)]
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
     out: dict[str, torch.Tensor] = {}
     for file in files:
         out.update(load_file(str(file)))

@@ -27,15 +27,15 @@ shows the structure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .tensors import BITS_BY_SIZE, TensorSpec, positions
+from .tensors import BITS_BY_SIZE, TensorSpec, positions, settle
 
-__all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits", "settle", "to_host"]
+__all__ = ["DeviceChange", "WaitCounter", "changes_on_device", "host_waits", "to_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,26 +66,7 @@ class WaitCounter:
     def wait(self, device: torch.device) -> None:
         """Wait for everything queued on ``device`` (its copies to the host included), and count it."""
         self.count += 1
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-
-
-def settle(devices: Iterable[torch.device]) -> None:
-    """Wait until the work this thread queued on ``devices`` has run, before another thread reads its results.
-
-    The snapshot is written on one thread (captured on the training thread, advanced on the publisher's)
-    and read on the other, each on its own current stream. Streams of different threads are not ordered
-    with each other unless both are a device's default stream; a trainer that steps on a stream of its own
-    would otherwise let an anchor be read from a snapshot still being filled, or a diff compare against one
-    not yet advanced. One wait per call, for each accelerator among ``devices``; none on the CPU.
-    """
-    for device in set(devices):
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        elif device.type != "cpu":
-            backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu...: a device-wide wait
-            if backend is not None and hasattr(backend, "synchronize"):
-                backend.synchronize()
+        settle((device,))
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

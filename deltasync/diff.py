@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .device_diff import changes_on_device, settle
+from .device_diff import changes_on_device
 from .errors import TensorMismatch
-from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, write_at
+from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, settle, write_at
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
 

@@ -43,10 +43,10 @@ def check_options(
     if dtype is not None:
         dtype_name(dtype)  # bf16, fp16 or fp32
     check_int("level", level, low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
-    for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors),
-                        ("part_bytes", part_bytes), ("chunk", chunk)):
-        if value is not None or name != "chunk":
-            check_int(name, value, low=1)
+    for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors), ("part_bytes", part_bytes)):
+        check_int(name, value, low=1)
+    if chunk is not None:  # None: the diff's default for the weights' device
+        check_int("chunk", chunk, low=1)
     check_number("anchor_ratio", anchor_ratio)
     check_number("lease_s", lease_s)
     check_number("retire_grace_s", retire_grace_s, zero_ok=True)

@@ -28,6 +28,7 @@ __all__ = [
     "bits_view",
     "write_at",
     "positions",
+    "settle",
     "check_publishable",
     "describe_differences",
     "fingerprint",
@@ -179,6 +180,25 @@ def scattered_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     slot = torch.where(mask, rank, count).clamp_(max=count)
     out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
     return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
+
+
+def settle(devices: Iterable[torch.device]) -> None:
+    """Wait until the work this thread queued on ``devices`` has run, before another thread reads its results.
+
+    The snapshot is written on one thread (captured on the training thread, advanced on the publisher's)
+    and read on the other, and a replica's weights are written on its update thread and read by
+    inference, each on its own current stream. Streams of different threads are not ordered
+    with each other unless both are a device's default stream; a trainer that steps on a stream of its own
+    would otherwise let an anchor be read from a snapshot still being filled, or a diff compare against one
+    not yet advanced. One wait per call, for each accelerator among ``devices``; none on the CPU.
+    """
+    for device in set(devices):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        elif device.type != "cpu":
+            backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu...: a device-wide wait
+            if backend is not None and hasattr(backend, "synchronize"):
+                backend.synchronize()
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,9 @@ import torch
 
 from ..codec import Decoded
 from ..codec.device import DeviceReader
-from ..device_diff import settle
 from ..errors import ConfigError
 from ..format import Header
-from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, write_at
+from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, write_at
 from .apply import check_header
 
 __all__ = ["TorchModuleApplier"]
