@@ -29,3 +29,17 @@ def recorded_ops() -> Iterator[list[str]]:
 def host_wait_ops(ops: list[Any]) -> set[str]:
     """The ops in ``ops`` that would make the host wait for the device."""
     return {op for op in ops if op.split(".")[-1] in HOST_WAIT_OPS}
+
+
+def without_static_nonzero(monkeypatch: Any) -> None:
+    """Make ``torch.nonzero_static`` raise as a backend without the kernel does (CUDA before torch 2.6),
+    with no backend yet remembered as lacking it (``deltasync.tensors.positions``)."""
+    import torch
+
+    from deltasync import tensors
+
+    def missing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")
+
+    monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
+    monkeypatch.setattr(torch, "nonzero_static", missing)

@@ -537,17 +537,14 @@ class TestDevicePath:
         """Escapes are patched through the scatter fallback on a backend without ``nonzero_static``."""
         from deltasync import tensors
         from deltasync.format import read_header
-
-        def missing(*args: object, **kwargs: object) -> torch.Tensor:
-            raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")
+        from tests.dispatch_helpers import without_static_nonzero
 
         base = {"w": torch.zeros(70_000, dtype=torch.bfloat16)}
         target = {"w": base["w"].clone()}
         target["w"].view(torch.int16)[[*range(0, 120, 3), 40_000, 69_999]] = 7  # short gaps, two escapes
         data = encode_delta(diff(Snapshot.capture(base), target), version=2, base_version=1)
         assert read_header(data).tensors["w"].params["big"] == 2
-        monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
-        monkeypatch.setattr(torch, "nonzero_static", missing)
+        without_static_nonzero(monkeypatch)
         receiver = TorchModuleApplier({"w": base["w"].clone()}, stage=True)
         _, patches = decode(data, base=receiver.lookup, on_device=receiver)
         assert tensors._NO_STATIC_KERNEL == {"cpu"}

@@ -14,7 +14,7 @@ import deltasync.diff as diff_module
 from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import SCATTERED, bits_view, fingerprint, positions, scattered_positions, write_at
-from tests.dispatch_helpers import host_wait_ops, recorded_ops
+from tests.dispatch_helpers import host_wait_ops, recorded_ops, without_static_nonzero
 
 BF16 = torch.bfloat16
 
@@ -309,11 +309,7 @@ class TestDevicePath:
         from deltasync import tensors
         from deltasync.device_diff import host_waits
 
-        def missing(*args: object, **kwargs: object) -> torch.Tensor:
-            raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")
-
-        monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
-        monkeypatch.setattr(torch, "nonzero_static", missing)
+        without_static_nonzero(monkeypatch)
         live, snap = self.model(13)
         before = host_waits()
         with recorded_ops() as ops:
