@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -696,3 +697,98 @@ def test_chunks_group_one_kind_in_file_order_up_to_the_chunk_size(monkeypatch: p
     sizes = [40, 40, 40, 500, 10, 10]
     kinds = ["a", "b", "a", "a", "a", "b"]
     assert packed.chunks(sizes, kinds) == [[0, 2], [1, 5], [3], [4]]
+
+
+class TestKernels:
+    """The compiled host kernels (codec/kernels.py) against the numpy decoder they replace."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        gaps=st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**17), st.integers(0, 2**33)), max_size=60),
+        slack=st.integers(0, 3),
+    )
+    def test_gap_indices_match_the_numpy_decoder(self, gaps: list[int], slack: int) -> None:
+        from deltasync.codec.compact import decode_indices, encode_indices
+        from deltasync.codec.kernels import gap_indices
+        from deltasync.tensors import TensorSpec
+
+        indices = np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1
+        numel = int(indices[-1]) + 1 + slack if indices.size else 1 + slack
+        blob, params = encode_indices(indices, level=1)
+        spec = TensorSpec("w", (numel,), "F32")
+        raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob.tobytes()), dtype=np.uint8)
+        got = gap_indices(raw, indices.size, params["iw"], params["big"], numel)
+        assert got is not None
+        np.testing.assert_array_equal(got, decode_indices(blob, params, spec, indices.size))
+        np.testing.assert_array_equal(got, indices)
+        if indices.size:  # one element fewer and the last index is out of range
+            assert gap_indices(raw, indices.size, params["iw"], params["big"], int(indices[-1])) is None
+
+    @pytest.mark.parametrize("width", [2, 4])
+    def test_add_steps_match_the_numpy_decoder(self, width: int) -> None:
+        from deltasync.codec.compact import SIGNED, CompactCodec, planes
+        from deltasync.codec.kernels import add_steps
+
+        rng = np.random.default_rng(width)
+        info = np.iinfo(SIGNED[width])
+        base = rng.integers(info.min, info.max, 50_000, dtype=SIGNED[width], endpoint=True)
+        base[:4] = [info.min, info.max, 0, -1]
+        steps = rng.integers(-3, 4, base.size).astype(SIGNED[width])
+        steps[4:8] = [info.min, info.max, 1, -1]  # steps that wrap around the bit patterns
+        new = (base.astype(np.int64) + steps).astype(SIGNED[width])  # wraps modulo 2**bits
+        words = CompactCodec._values_to_words(new, base)
+        got = add_steps(planes(words), base)
+        np.testing.assert_array_equal(got, new)
+        assert got.dtype == base.dtype
+
+    def test_hostile_gap_streams_are_refused_not_read_past(self) -> None:
+        from deltasync.codec.kernels import gap_indices
+
+        def stream(narrow: list[int], side: list[int]) -> np.ndarray:
+            return np.concatenate([np.array(narrow, np.uint8), np.array(side, np.uint64).view(np.uint8)])
+
+        assert gap_indices(stream([3, 255], [5]), 2, 1, 1, 100).tolist() == [3, 9]
+        assert gap_indices(stream([3, 255], [5]), 2, 1, 0, 100) is None  # size differs from the params
+        assert gap_indices(stream([255, 255], [5]), 2, 1, 1, 100) is None  # more escapes than params say
+        assert gap_indices(stream([3, 4], [5]), 2, 1, 1, 100) is None  # fewer escapes than params say
+        assert gap_indices(stream([3, 255], [2**56]), 2, 1, 1, 100) is None  # a side gap past any tensor
+        assert gap_indices(stream([3, 255], [2**63 - 1]), 2, 1, 1, 100) is None
+        assert gap_indices(stream([3, 255], [95]), 2, 1, 1, 100).tolist() == [3, 99]  # the last element
+        assert gap_indices(stream([3, 255], [96]), 2, 1, 1, 100) is None  # one past it
+
+    def test_importing_the_package_does_not_import_numba(self) -> None:
+        """numba loads on the first decode: a publisher never pays its import or compile time."""
+        import subprocess
+        import sys
+
+        code = "import sys, deltasync, deltasync.format, deltasync.codec.packed; print('numba' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False"
+
+    @pytest.mark.parametrize("dtype", [np.int16, np.int32])
+    def test_exponent_ranks_and_positions_invert_a_stable_sort_by_exponent(self, dtype: type) -> None:
+        """Ranks are places in a stable sort of the whole tensor by exponent byte (any sign, inf, NaN,
+        zero, subnormal); positions map sorted ranks back to indices and to their place in the ranks."""
+        from deltasync.codec.kernels import exponent_positions, exponent_ranks
+
+        rng = np.random.default_rng(7)
+        info = np.iinfo(dtype)
+        bits = rng.integers(info.min, info.max, 30_000, dtype=dtype, endpoint=True)
+        bits[:6] = [0, -1, info.max, info.min, 1, -2]
+        mantissa = 7 if dtype is np.int16 else 23
+        exponent = ((bits.astype(np.int64) & ((1 << (8 * bits.itemsize)) - 1)) >> mantissa) & 0xFF
+        order = exponent.argsort(kind="stable")
+        rank_of = np.empty(bits.size, np.int64)
+        rank_of[order] = np.arange(bits.size)
+        indices = np.unique(np.r_[0, 1, 2, 3, rng.choice(bits.size, 3000, replace=False), bits.size - 1])
+        ranks = exponent_ranks(bits, indices)
+        np.testing.assert_array_equal(ranks, rank_of[indices])
+        sorted_ranks = np.sort(ranks)
+        found = exponent_positions(bits, sorted_ranks)
+        assert found is not None
+        where, slots = found
+        np.testing.assert_array_equal(where, indices)
+        np.testing.assert_array_equal(sorted_ranks[slots], ranks)
+        assert exponent_positions(bits, np.array([bits.size], np.int64)) is None
+        with pytest.raises(ValueError, match="sorted"):
+            exponent_ranks(bits, indices[::-1].copy())

@@ -13,8 +13,9 @@ SmolLM2 RL steps a version takes 0.84 bytes per changed element against
 ``compact``'s 1.43 (``benchmarks/payload.py``).
 
 The price is an O(numel) pass on both sides per changed tensor and version:
-the writer and the reader each sort the whole tensor's exponents (a radix
-pass) and the reader reads every base element. That is a codec a user picks
+the writer and the reader each count the whole tensor's exponents and walk it
+once more (compiled kernels of :mod:`.kernels`, about a nanosecond per element),
+and the reader reads every base element. That is a codec a user picks
 for slow links, not the default. A reader whose base differs from the
 writer's decodes other positions; the values' digest (``sum``, as in
 ``compact``) refuses that before anything is written.
@@ -43,40 +44,9 @@ from .compact import (
     unzigzag,
     zigzag,
 )
+from .kernels import exponent_positions, exponent_ranks
 
-__all__ = ["CompactExpCodec", "exponent_order"]
-
-
-def _exponents(bits: np.ndarray) -> np.ndarray:
-    """The exponent field of each bit pattern (uint8; the sign is left out)."""
-    mantissa = 7 if bits.dtype.itemsize == 2 else 23
-    return (bits.view(UNSIGNED[bits.dtype.itemsize]) >> mantissa).astype(np.uint8)
-
-
-def exponent_order(base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The elements of ``base`` ordered by exponent, then index; and where each exponent's run starts.
-
-    Returns:
-        `(order, starts)`: ``order[r]`` is the index of the element of rank ``r``;
-        ``starts[e]`` the first rank of exponent ``e`` (257 entries).
-    """
-    exponent = _exponents(base)
-    order = exponent.argsort(kind="stable")  # one radix pass over a byte
-    starts = np.zeros(257, dtype=np.int64)
-    np.cumsum(np.bincount(exponent, minlength=256), out=starts[1:])
-    return order, starts
-
-
-def _ranks(base: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """The rank of each of ``indices`` (sorted) in the exponent order of ``base``."""
-    order, starts = exponent_order(base)
-    exponent = _exponents(base[indices])
-    ranks = np.empty(indices.size, dtype=np.int64)
-    for e in np.unique(exponent).tolist():  # Python ints (255 + 1 must not wrap); ranks follow indices
-        mine = exponent == e
-        run = order[starts[e] : starts[e + 1]]
-        ranks[mine] = starts[e] + np.searchsorted(run, indices[mine])
-    return ranks
+__all__ = ["CompactExpCodec"]
 
 
 class CompactExpCodec(CompactCodec):
@@ -92,7 +62,7 @@ class CompactExpCodec(CompactCodec):
         assert change.indices is not None and change.base is not None and change.whole_base is not None
         base_all = to_numpy(change.whole_base).reshape(-1)
         indices = to_numpy(change.indices)
-        ranks = _ranks(base_all, indices)
+        ranks = exponent_ranks(base_all, indices)
         by_rank = ranks.argsort(kind="stable")
         blob, params = encode_indices(ranks[by_rank], level)
         new, base = to_numpy(change.values), to_numpy(change.base)
@@ -115,11 +85,11 @@ class CompactExpCodec(CompactCodec):
         base_all = np.ascontiguousarray(base(spec.name, np.arange(spec.numel, dtype=np.int64)))
         if base_all.shape != (spec.numel,) or base_all.dtype.itemsize != width:
             raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
-        order, _ = exponent_order(base_all)
-        where = order[ranks]
-        by_index = where.argsort()
-        indices = where[by_index]
+        found = exponent_positions(base_all, ranks)
+        if found is None:  # unreachable for ranks below numel, which decode_indices proved
+            raise CodecError(f"{spec.name}: rank out of range [0, {spec.numel})", name=spec.name)
+        indices, slots = found
         unsigned = UNSIGNED[width]
-        values = (base_all[indices].view(unsigned) + unzigzag(steps[by_index]).view(unsigned)).view(SIGNED[width])
+        values = (base_all[indices].view(unsigned) + unzigzag(steps[slots]).view(unsigned)).view(SIGNED[width])
         check_values(values, params, spec)
         return Decoded(indices, values)

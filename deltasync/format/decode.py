@@ -215,13 +215,9 @@ def decode_entries(
 
 
 def _kind(name: str, entry: TensorEntry) -> object:
-    """What tensors must share to be decoded in one chunk: codec, gap width and value width (a tensor of
-    another codec is a kind of its own). A malformed gap width still groups; the chunk then fails its
-    checks and its tensors are decoded, and refused, one by one."""
-    if entry.codec not in STREAM_CODECS:
-        return name
-    iw = entry.params.get("iw")
-    return entry.codec, iw if type(iw) is int else None, entry.local_spec.torch_dtype.itemsize
+    """Which tensors may share a chunk: every ``compact`` and ``compact-abs`` tensor (a tensor of another
+    codec is a kind of its own, decoded alone)."""
+    return STREAM_CODECS if entry.codec in STREAM_CODECS else name
 
 
 def _raise_first(results: Mapping[str, object]) -> None:
