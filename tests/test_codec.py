@@ -792,3 +792,17 @@ class TestKernels:
         assert exponent_positions(bits, np.array([bits.size], np.int64)) is None
         with pytest.raises(ValueError, match="sorted"):
             exponent_ranks(bits, indices[::-1].copy())
+
+    def test_kernels_compile_where_no_cache_can_be_written(self) -> None:
+        """A read-only install with no writable cache: the kernels compile in the process instead."""
+        import subprocess
+        import sys
+
+        code = (
+            "import numpy as np, numba.core.caching as c\n"
+            "(getattr(c, 'CacheImpl', None) or c._CacheImpl)._locator_classes = []\n"
+            "from deltasync.codec.kernels import gap_indices\n"
+            "print(gap_indices(np.array([3, 4], np.uint8), 2, 1, 0, 100).tolist())\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "[3, 8]"

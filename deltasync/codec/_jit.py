@@ -13,7 +13,15 @@ import numpy as np
 OK, BAD_ESCAPES, OUT_OF_RANGE = 0, 1, 2
 """What a kernel returns: done, an escape count that differs from the params, an index or rank out of range."""
 
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+def _jit(fn: Any) -> Any:
+    """Compile ``fn`` without the GIL, cached on disk where numba finds a writable place for it (beside this
+    file, ``NUMBA_CACHE_DIR``, the user's cache); where it finds none, compiled again in each process."""
+    try:
+        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True, boundscheck=False)(fn)
 
 
 @_jit
