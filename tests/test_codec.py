@@ -726,7 +726,7 @@ class TestKernels:
 
     @pytest.mark.parametrize("width", [2, 4])
     def test_add_steps_match_the_numpy_decoder(self, width: int) -> None:
-        from deltasync.codec.compact import SIGNED, CompactCodec, planes
+        from deltasync.codec.compact import SIGNED, CompactCodec, planes, zigzag
         from deltasync.codec.kernels import add_steps
 
         rng = np.random.default_rng(width)
@@ -736,7 +736,9 @@ class TestKernels:
         steps = rng.integers(-3, 4, base.size).astype(SIGNED[width])
         steps[4:8] = [info.min, info.max, 1, -1]  # steps that wrap around the bit patterns
         new = (base.astype(np.int64) + steps).astype(SIGNED[width])  # wraps modulo 2**bits
-        words = CompactCodec._values_to_words(new, base)
+        exponent = (base.view(f"<u{width}") >> (7 if width == 2 else 23)).astype(np.uint8)
+        words = zigzag((new.view(f"<u{width}") - base.view(f"<u{width}")).view(base.dtype))[exponent.argsort(kind="stable")]
+        assert CompactCodec._value_payload(new, base).tobytes() == planes(words).tobytes()  # the encoder's kernel
         got = add_steps(planes(words), base)
         np.testing.assert_array_equal(got, new)
         assert got.dtype == base.dtype
@@ -756,8 +758,16 @@ class TestKernels:
         assert gap_indices(stream([3, 255], [95]), 2, 1, 1, 100).tolist() == [3, 99]  # the last element
         assert gap_indices(stream([3, 255], [96]), 2, 1, 1, 100) is None  # one past it
 
+    def test_the_encoder_refuses_indices_that_are_not_sorted_and_unique(self) -> None:
+        from deltasync.codec.kernels import gap_payload
+
+        for bad in ([3, 3], [5, 2], [-1]):
+            with pytest.raises(ValueError, match="sorted and unique"):
+                gap_payload(np.array(bad, dtype=np.int64))
+        assert gap_payload(np.array([], dtype=np.int64))[1:] == (1, 0)
+
     def test_importing_the_package_does_not_import_numba(self) -> None:
-        """numba loads on the first decode: a publisher never pays its import or compile time."""
+        """numba loads when a kernel first runs, not with the package (the CLI, manifest readers)."""
         import subprocess
         import sys
 

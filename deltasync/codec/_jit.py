@@ -127,3 +127,66 @@ def exponent_positions(bits: Any, mantissa: int, ranks: Any, where: Any, slot: A
         next_of[e] = q + 1
         skip[e] = ranks[q + 1] - ranks[q] - 1 if q + 1 < ranks.size and ranks[q + 1] < starts[e + 1] else -1
     return OK if k == ranks.size else OUT_OF_RANGE
+
+
+@_jit
+def gap_counts(indices: Any, counts: Any) -> int:
+    prev = np.int64(-1)
+    for j in range(indices.size):
+        gap = indices[j] - prev - 1
+        if gap < 0:
+            return OUT_OF_RANGE  # not sorted and unique
+        if gap >= 0xFF:
+            counts[0] += 1
+            if gap >= 0xFFFF:
+                counts[1] += 1
+                if gap >= 0xFFFFFFFF:
+                    counts[2] += 1
+        prev = indices[j]
+    return OK
+
+
+@_jit
+def gap_planes(indices: Any, iw: int, out: Any) -> int:
+    nnz = indices.size
+    escape = (np.int64(1) << (8 * iw)) - 1
+    side = nnz * iw
+    used = 0
+    prev = np.int64(-1)
+    for j in range(nnz):
+        gap = indices[j] - prev - 1
+        prev = indices[j]
+        word = gap
+        if gap >= escape:
+            word = escape
+            at = side + 8 * used
+            used += 1
+            for b in range(8):
+                out[at + b] = (gap >> (8 * b)) & 0xFF
+        for p in range(iw):
+            out[j + p * nnz] = (word >> (8 * p)) & 0xFF
+    return OK
+
+
+@_jit
+def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int:
+    nnz = base.size
+    mask = (np.int64(1) << (8 * width)) - 1
+    half = np.int64(1) << (8 * width - 1)
+    slots = np.zeros(257, np.int64)
+    for j in range(nnz):
+        slots[((np.int64(base[j]) & mask) >> mantissa & 0xFF) + 1] += 1
+    for e in range(256):
+        slots[e + 1] += slots[e]
+    for j in range(nnz):
+        bits = np.int64(base[j]) & mask
+        e = bits >> mantissa & 0xFF
+        q = slots[e]
+        slots[e] = q + 1
+        step = ((np.int64(new[j]) & mask) - bits) & mask
+        if step >= half:
+            step -= 2 * half
+        word = ((step << 1) ^ (step >> 63)) & mask
+        for p in range(width):
+            out[q + p * nnz] = (word >> (8 * p)) & 0xFF
+    return OK

@@ -31,6 +31,7 @@ from ..errors import CodecError, IntegrityError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
+from .kernels import gap_payload, step_payload
 
 GAP_WIDTHS = (1, 2, 4)
 STREAM_CODECS = frozenset({"compact", "compact-abs"})
@@ -99,45 +100,13 @@ def unplanes(raw: bytes, count: int, dtype: np.dtype, offset: int = 0) -> np.nda
     return out
 
 
-def _gaps(indices: np.ndarray) -> np.ndarray:
-    """``idx[i] - idx[i-1] - 1`` (the first against -1) as int64, without ``np.diff``'s prepend copy."""
-    gaps = np.empty(indices.size, dtype=np.int64)
-    if indices.size:
-        gaps[0] = indices[0]
-        np.subtract(indices[1:], indices[:-1], out=gaps[1:])
-        gaps[1:] -= 1
-    return gaps
-
-
-def _gap_width(gaps: np.ndarray) -> tuple[int, int]:
-    """The width (1, 2 or 4 bytes) minimising ``size * width + 8 * escapes``, and its escape count.
-
-    Widths are tried from the narrowest; once one needs no escape, every wider
-    one costs strictly more, so the remaining counting passes are skipped. Ties
-    go to the narrower width, as ``min`` over ``(cost, width, big)`` does.
-    """
-    best: tuple[int, int, int] | None = None
-    for width in GAP_WIDTHS:
-        big = int(np.count_nonzero(gaps >= (1 << (8 * width)) - 1))
-        cost = (gaps.size * width + 8 * big, width, big)
-        best = cost if best is None else min(best, cost)
-        if big == 0:
-            break
-    assert best is not None
-    return best[1], best[2]
-
-
 def encode_indices(indices: np.ndarray, level: int) -> tuple[np.ndarray, dict[str, int]]:
-    """Gap-code sorted unique indices; return the blob and its params ``iw``, ``big``."""
-    gaps = _gaps(indices)
-    width, n_big = _gap_width(gaps)
-    escape = (1 << (8 * width)) - 1
-    size = gaps.size * width
-    payload = np.empty(size + 8 * n_big, dtype=np.uint8)  # main planes, then the uint64 side stream
-    main = np.minimum(gaps, escape) if n_big else gaps
-    _planes_into(payload[:size], main.astype(UNSIGNED[width]))
-    if n_big:
-        payload[size:] = gaps[gaps >= escape].astype(UNSIGNED[8]).view(np.uint8)
+    """Gap-code sorted unique indices; return the blob and its params ``iw``, ``big``.
+
+    The gap width is the one of 1, 2 or 4 bytes minimising ``nnz * width + 8 * escapes`` (ties to the
+    narrower); :func:`~deltasync.codec.kernels.gap_payload` counts and writes the planes in two passes.
+    """
+    payload, width, n_big = gap_payload(indices)
     return compress(payload, level), {"iw": width, "big": n_big}
 
 
@@ -216,10 +185,10 @@ class CompactCodec(Codec):
         blob, params = encode_indices(to_numpy(change.indices), level)
         new = to_numpy(change.values)
         base = to_numpy(change.base) if change.base is not None else None
-        words = self._values_to_words(new, base)
+        payload = self._value_payload(new, base)
         sign_values(params, new)
         return Encoded(
-            parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(planes(words), level))},
+            parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(payload, level))},
             params=params,
         )
 
@@ -240,12 +209,12 @@ class CompactCodec(Codec):
         return Decoded(indices, values)
 
     @staticmethod
-    def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+    def _value_payload(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+        """The bytes of part ``val`` before zstd: byte planes of the zigzagged steps from ``base``, in
+        the stable order of the changes by the exponent of their base (:func:`_exponent_order`)."""
         if base is None:
             raise ValueError("the compact codec needs the base values of the change")
-        unsigned = UNSIGNED[new.dtype.itemsize]
-        delta = (new.view(unsigned) - base.view(unsigned)).view(new.dtype)
-        return zigzag(delta)[_exponent_order(base)]
+        return step_payload(new, base)
 
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: np.ndarray | None
@@ -268,8 +237,8 @@ class CompactAbsCodec(CompactCodec):
     needs_base = False
 
     @staticmethod
-    def _values_to_words(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
-        return new.view(UNSIGNED[new.dtype.itemsize])
+    def _value_payload(new: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+        return planes(new.view(UNSIGNED[new.dtype.itemsize]))
 
     def _words_to_values(
         self, words: np.ndarray, indices: np.ndarray, spec: TensorSpec, base: np.ndarray | None

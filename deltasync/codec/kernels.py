@@ -1,27 +1,32 @@
-"""Compiled host kernels for ``compact`` and ``compact-abs``: one pass per stream, no temporaries.
+"""Compiled host kernels for ``compact``, ``compact-abs`` and ``compact-exp``: a pass or two per stream.
 
 The numpy decoder (:class:`~deltasync.codec.compact.CompactCodec`) rebuilds a
 tensor's changes in some twenty array passes (plane merge, escape search,
 widening, prefix sum, exponent sort, zigzag, sum), each a trip through memory
-and most with a fresh int64 temporary. These kernels do the same work in two
-loops per tensor, compiled once by numba (cached on disk) and run without the
-GIL, so the decode threads scale:
+and most with a fresh int64 temporary; the encoder took about as many. These
+kernels do the same work in one or two loops per stream, compiled once by numba
+(cached on disk) and run without the GIL:
 
-- :func:`gap_indices`: byte planes merged, escapes resolved from the side
-  stream, gaps summed into indices, every index bounds-checked as it is made;
-- :func:`add_steps`: the receiver's base bits at those indices bucketed by
-  exponent byte (the counting sort the encoder's stable exponent order is), each
-  value word merged from its planes at its bucket's next slot, unzigzagged and
-  added to the base modulo ``2**bits``.
+- :func:`gap_indices` (decode): byte planes merged, escapes resolved from the
+  side stream, gaps summed into indices, every index bounds-checked as it is made;
+- :func:`add_steps` (decode): the receiver's base bits at those indices bucketed
+  by exponent byte (the counting sort the encoder's stable exponent order is),
+  each value word merged from its planes at its bucket's next slot, unzigzagged
+  and added to the base modulo ``2**bits``;
+- :func:`gap_payload` and :func:`step_payload` (encode): their inverses, byte for
+  byte the streams ``docs/FORMAT.md`` specifies (tests hold them to its formulas);
+- :func:`exponent_ranks` and :func:`exponent_positions`: ``compact-exp``'s ranks
+  and their inverse, two passes over a tensor instead of sorting it.
 
-A kernel never raises: it returns a status, and a non-zero status sends the
-tensor to the numpy decoder, which raises the precise error. Every read is
+A decode kernel never raises: it returns a status, and a non-zero status sends
+the tensor to the numpy decoder, which raises the precise error. Every read is
 within the arrays it is handed (the stream sizes are checked against the header
 before a kernel runs), so a hostile stream can fail a check but never read out
 of bounds.
 
-numba is imported on the first decode, not with the package: a publisher that
-never decodes never pays its import or compile time.
+numba is imported when a kernel first runs (a trainer's first delta, a
+replica's first decode), not with the package, so importing deltasync stays
+light for the CLI and for tools that only read manifests.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["gap_indices", "add_steps", "exponent_ranks", "exponent_positions"]
+__all__ = ["add_steps", "exponent_positions", "exponent_ranks", "gap_indices", "gap_payload", "step_payload"]
 
 
 def _kernels() -> Any:
@@ -98,3 +103,31 @@ def _mantissa(bits: np.ndarray) -> int:
     if bits.dtype.itemsize not in (2, 4):
         raise ValueError(f"no exponent byte in {bits.dtype.itemsize}-byte words")
     return 7 if bits.dtype.itemsize == 2 else 23
+
+
+def gap_payload(indices: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """The ``compact`` index payload of sorted unique ``indices``: gap planes in the width (1, 2 or 4 bytes)
+    that minimises ``nnz * width + 8 * escapes`` (ties to the narrower), then the side gaps; two passes.
+
+    Returns:
+        `(payload, iw, big)`: the bytes to compress, the gap width and the escape count.
+    """
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    counts = np.zeros(3, dtype=np.int64)
+    if _kernels().gap_counts(indices, counts):
+        raise ValueError("gap_payload: indices must be sorted and unique")
+    _, iw, big = min((indices.size * width + 8 * int(n), width, int(n)) for width, n in zip((1, 2, 4), counts))
+    payload = np.empty(indices.size * iw + 8 * big, dtype=np.uint8)
+    _kernels().gap_planes(indices, iw, payload)
+    return payload, iw, big
+
+
+def step_payload(new: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`add_steps`: the byte planes of ``zigzag(new - base)`` (modulo ``2**bits``), in the
+    stable order of the changes by the exponent byte of ``base``."""
+    width = base.dtype.itemsize
+    if new.shape != base.shape or new.dtype.itemsize != width:
+        raise ValueError("step_payload: new and base values differ in shape or width")
+    out = np.empty(base.size * width, dtype=np.uint8)
+    _kernels().step_planes(np.ascontiguousarray(new), np.ascontiguousarray(base), width, _mantissa(base), out)
+    return out
