@@ -52,14 +52,20 @@ def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> 
 
 
 @_jit
+def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
+    starts = np.zeros(257, np.int64)  # per exponent byte: its first rank in the exponent order
+    for i in range(bits.size):
+        starts[((np.int64(bits[i]) & mask) >> mantissa & 0xFF) + 1] += 1
+    for e in range(256):
+        starts[e + 1] += starts[e]
+    return starts
+
+
+@_jit
 def add_steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any) -> int:
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
-    slots = np.zeros(257, np.int64)  # per exponent byte: its first slot in the encoder's order
-    for j in range(nnz):
-        slots[((np.int64(base[j]) & mask) >> mantissa & 0xFF) + 1] += 1
-    for e in range(256):
-        slots[e + 1] += slots[e]
+    slots = class_starts(base, mask, mantissa)  # per exponent byte: its first slot in the encoder's order
     for j in range(nnz):
         bits = np.int64(base[j]) & mask
         e = bits >> mantissa & 0xFF
@@ -71,16 +77,6 @@ def add_steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any
         new = (bits + ((word >> 1) ^ -(word & 1))) & mask
         out[j] = new - 2 * half if new >= half else new
     return OK
-
-
-@_jit
-def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
-    starts = np.zeros(257, np.int64)  # per exponent byte: its first rank in the exponent order
-    for i in range(bits.size):
-        starts[((np.int64(bits[i]) & mask) >> mantissa & 0xFF) + 1] += 1
-    for e in range(256):
-        starts[e + 1] += starts[e]
-    return starts
 
 
 @_jit
@@ -173,11 +169,7 @@ def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int
     nnz = base.size
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
-    slots = np.zeros(257, np.int64)
-    for j in range(nnz):
-        slots[((np.int64(base[j]) & mask) >> mantissa & 0xFF) + 1] += 1
-    for e in range(256):
-        slots[e + 1] += slots[e]
+    slots = class_starts(base, mask, mantissa)
     for j in range(nnz):
         bits = np.int64(base[j]) & mask
         e = bits >> mantissa & 0xFF
