@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replica_decode(rebuilt)
         decode_waits = device_decode.host_waits() - decode_waits
         _, patches = replica_decode()  # on an accelerator: rebuilt there, indices and values on the device
-        _, host_patches = decode(data, base=decoder.lookup)  # numpy, as the host path decodes them
+        _, host_patches = decode(data, base=decoder.lookup)  # on the host, as the host path decodes them
         import safetensors.torch
 
         entries = safetensors.torch.load(bytes(data))

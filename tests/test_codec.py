@@ -737,7 +737,8 @@ class TestKernels:
         steps[4:8] = [info.min, info.max, 1, -1]  # steps that wrap around the bit patterns
         new = (base.astype(np.int64) + steps).astype(SIGNED[width])  # wraps modulo 2**bits
         exponent = (base.view(f"<u{width}") >> (7 if width == 2 else 23)).astype(np.uint8)
-        words = zigzag((new.view(f"<u{width}") - base.view(f"<u{width}")).view(base.dtype))[exponent.argsort(kind="stable")]
+        delta = (new.view(f"<u{width}") - base.view(f"<u{width}")).view(base.dtype)
+        words = zigzag(delta)[exponent.argsort(kind="stable")]
         assert CompactCodec._value_payload(new, base).tobytes() == planes(words).tobytes()  # the encoder's kernel
         got = add_steps(planes(words), base)
         np.testing.assert_array_equal(got, new)

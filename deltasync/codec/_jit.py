@@ -14,7 +14,6 @@ OK, BAD_ESCAPES, OUT_OF_RANGE = 0, 1, 2
 """What a kernel returns: done, an escape count that differs from the params, an index or rank out of range."""
 
 
-
 def _jit(fn: Any) -> Any:
     """Compile ``fn`` without the GIL, cached on disk where numba finds a writable place for it (beside this
     file, ``NUMBA_CACHE_DIR``, the user's cache); where it finds none, compiled again in each process."""

@@ -32,7 +32,7 @@ weights live:
 The indices and values stay on the device for the applier (no second copy).
 The code is device-agnostic and runs on CPU tensors too (tests prove it
 bit-exact against the host path there); on a CPU the host path is faster (its
-radix sort of exponent bytes beats torch's general sort), so it is taken only
+compiled counting sort of exponent bytes beats torch's general sort), so it is taken only
 when asked (``TorchModuleApplier(stage=True)``).
 """
 

@@ -39,7 +39,7 @@ __all__ = ["add_steps", "exponent_positions", "exponent_ranks", "gap_indices", "
 
 
 def _kernels() -> Any:
-    from . import _jit  # noqa: PLC0415 - numba loads on the first decode, see the module docstring
+    from . import _jit  # noqa: PLC0415 - numba loads when a kernel first runs, see the module docstring
 
     return _jit
 
@@ -73,8 +73,8 @@ def exponent_ranks(bits: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """The rank of each of ``indices`` (sorted, unique, in range) in the exponent order of ``bits``.
 
     The exponent order lists a tensor's elements by the exponent byte of their bit
-    patterns, then by index (:func:`deltasync.codec.ranked.exponent_order`); one
-    counting pass and one walk over ``bits``, no sort.
+    patterns, then by index (``docs/FORMAT.md``, ``compact-exp``); one counting pass
+    and one walk over ``bits``, no sort.
     """
     bits = np.ascontiguousarray(bits)
     out = np.empty(indices.size, dtype=np.int64)

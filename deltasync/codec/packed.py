@@ -39,7 +39,7 @@ class _Refused(Exception):
 
 
 def chunks(sizes: Sequence[int], kinds: Sequence[Hashable]) -> list[list[int]]:
-    """Positions grouped into chunks of one kind (gap width, value width and codec), in file order, of up to
+    """Positions grouped into chunks of one kind (``kinds``: what may share a chunk), in file order, of up to
     :data:`CHUNK` changed elements each (``sizes``; a larger tensor is a chunk of its own)."""
     runs: list[list[int]] = []
     open_run: dict[Hashable, tuple[list[int], int]] = {}  # per kind: the run being filled, and its changes
