@@ -83,10 +83,10 @@ class Model:
     """``numel`` fp32 masters in ``tensors`` equal tensors on ``device``; steps move ``density`` by one ulp."""
 
     def __init__(self, numel: int, tensors: int, device: torch.device, seed: int = 0) -> None:
-        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live: fast on a GPU
         size = max(1, numel // tensors)
         self.masters = {
-            f"layers.{i}.weight": (torch.randn(size, generator=self.gen) * 0.02).to(device) for i in range(tensors)
+            f"layers.{i}.weight": torch.randn(size, generator=self.gen, device=device) * 0.02 for i in range(tensors)
         }
         self.device = device
 
@@ -98,9 +98,9 @@ class Model:
         moved = 0
         for tensor in self.masters.values():
             k = max(1, int(density * tensor.numel()))
-            where = torch.randperm(tensor.numel(), generator=self.gen)[:k].to(self.device)
+            where = torch.randperm(tensor.numel(), generator=self.gen, device=self.device)[:k]
             bits = tensor[where].to(torch.bfloat16).view(torch.int16)
-            sign = (torch.randint(0, 2, (k,), generator=self.gen) * 2 - 1).to(self.device, torch.int16)
+            sign = (torch.randint(0, 2, (k,), generator=self.gen, device=self.device) * 2 - 1).to(torch.int16)
             tensor[where] = (bits + sign).view(torch.bfloat16).to(torch.float32)
             moved += k
         return moved
@@ -311,16 +311,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      for n, (i, v) in on_host.items()], args.repeats, device,
         )
         # The whole replica update through the store, against copying every weight from host memory.
-        updates = []
+        updates, parts = [], []
         for version in range(1, update_rounds + 1):
             model.step(args.density)
             publisher.publish(version, block=True)
             publisher.flush()
             sync(device)
             started = time.perf_counter()
-            subscriber.update()
+            info = subscriber.update()
             sync(device)
             updates.append(time.perf_counter() - started)
+            parts.append((info.t_fetch, info.t_decode, info.t_apply))
             assert subscriber.version == publisher.version
         host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
         t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
@@ -352,6 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "floor_with_copy": t_floor_h2d_apply["median"],
                                  "spread": [t_apply_staged, t_floor_apply]}
         rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
+                                "parts": {stage: statistics.median(p[k] for p in parts)
+                                          for k, stage in enumerate(("fetch", "decode", "apply"))},
                                 "spread": [{"median": statistics.median(updates), "min": min(updates),
                                             "max": max(updates)}, t_full_copy]}
     finally:
@@ -401,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra = f"{row['gb_per_s']:.2f} GB/s, {row['files']} file(s)"
         elif "chunks" in row:
             extra = f"{row['host_waits']} host waits for {row['tensors']} tensors in {row['chunks']} chunks"
+        elif "parts" in row:
+            extra = ", ".join(f"{stage} {1e3 * t:.1f} ms" for stage, t in row["parts"].items())
         elif "changes_per_s" in row:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
             if "host_waits" in row:

@@ -129,6 +129,8 @@ class Snapshot:
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self._tensors = dict(tensors)
         self.specs = tuple(TensorSpec.of(name, t) for name, t in self._tensors.items())
+        # Changed elements per chunk in the last device-path diff: the bounds of the next one's searches.
+        self._history: dict[tuple[int, int, int], int] = {}
 
     @classmethod
     def capture(
@@ -230,7 +232,8 @@ def diff(
     if on_device or any(t.device.type != "cpu" for _, t in snapshot.items()):
         published = [snapshot[s.name] for s in snapshot.specs]
         found = changes_on_device(snapshot.specs, published, [live[s.name] for s in snapshot.specs],
-                                  chunk=chunk or DEVICE_CHUNK, dense_fraction=dense_fraction)
+                                  chunk=chunk or DEVICE_CHUNK, dense_fraction=dense_fraction,
+                                  history=snapshot._history)
         return ChangeSet(tuple(
             TensorChange(snapshot.specs[c.index], c.indices, c.values, c.base, c.nnz,
                          _bits(published[c.index]).view(-1))

@@ -6,11 +6,18 @@ hand the GIL and the results back and forth hundreds of times per file, which
 cost more than it saved on 2 cores; so each thread (the caller included) takes
 one share of the tensors, balanced by their work (changed elements plus a
 fixed per-tensor cost), largest dealt first.
+
+The threads are kept between calls (a file's decode makes several calls, and
+starting seven threads costs about 0.5 ms each time): one pool per process,
+grown when a call asks for more workers, made anew after a fork. A call made
+from one of those threads (work that itself fans out) gets threads of its own,
+so no call ever waits for a thread that is waiting for it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -64,11 +71,39 @@ def map_shared(
             except Exception as exc:  # noqa: BLE001 - re-raised below, in items order
                 errors[i] = exc
 
-    with ThreadPoolExecutor(max_workers=len(shares) - 1) as pool:
-        pending = [pool.submit(run, share) for share in shares[1:]]
-        run(shares[0])
-        for future in pending:
-            future.result()
+    if getattr(_inside, "pool", False):  # on a pool thread: threads of its own (see the module docstring)
+        with ThreadPoolExecutor(max_workers=len(shares) - 1) as own:
+            _fan_out(own, run, shares)
+    else:
+        _fan_out(_pool(len(shares) - 1), run, shares)
     if errors:
         raise errors[min(errors)]
     return results
+
+
+def _fan_out(pool: ThreadPoolExecutor, run: Callable[[list[int]], None], shares: list[list[int]]) -> None:
+    """Run the first share on the calling thread and the others on ``pool``; return when all are done."""
+    pending = [pool.submit(run, share) for share in shares[1:]]
+    run(shares[0])
+    for future in pending:
+        future.result()
+
+
+_inside = threading.local()
+_lock = threading.Lock()
+_shared: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
+
+
+def _mark() -> None:
+    _inside.pool = True
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool, with at least ``threads`` threads."""
+    global _shared
+    with _lock:
+        if _shared is None or _shared[0] != os.getpid() or _shared[1] < threads:
+            # A smaller pool is dropped, not shut down: a caller may still be submitting to it; its idle
+            # threads exit once it is collected.
+            _shared = (os.getpid(), threads, ThreadPoolExecutor(threads, "deltasync", initializer=_mark))
+        return _shared[2]

@@ -404,7 +404,7 @@ for a real run's steps (`--checkpoints`: SmolLM2-135M's published weights at ste
 runs = {p.stem.split("_", 2)[-1]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("device_sync_*.json"))}
 fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
 for ax, (device, sync) in zip(axes[0], runs.items()):
-    names = [n for n, row in sync["stages"].items() if row.get("floor")]
+    names = [n for n, row in sync["stages"].items() if row.get("floor") and not row.get("superseded")]
     ratio = [sync["stages"][n]["deltasync"] / sync["stages"][n]["floor"] for n in names]
     colors = ["tab:green" if r <= 2 else "tab:orange" if r <= 5 else "tab:red" for r in ratio]
     ax.barh(names, ratio, color=colors)
@@ -423,7 +423,12 @@ fig.savefig(FIGURES / "stages_vs_floor.png", dpi=130, bbox_inches="tight")
 plt.show()
 for device, sync in runs.items():
     print(device, sync["machine"]["cpu"], "; cuda:", sync["machine"].get("cuda"))
+    for note in sync.get("notes", []):
+        print("  note:", note)
     for name, row in sync["stages"].items():
+        if row.get("superseded"):
+            print(f"  {name:36} (measured on code since changed: {row['superseded']})")
+            continue
         extra = f"  {row['gb_per_s']:.2f} GB/s" if "gb_per_s" in row else ""
         extra += f"  {row['changes_per_s'] / 1e6:.0f} M changes/s" if "changes_per_s" in row else ""
         extra += f"  host waits {row['host_waits']}" if "host_waits" in row else ""

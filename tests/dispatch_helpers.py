@@ -43,3 +43,26 @@ def without_static_nonzero(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(tensors, "_NO_STATIC_KERNEL", set())
     monkeypatch.setattr(torch, "nonzero_static", missing)
+
+
+@contextmanager
+def recorded_shapes() -> Iterator[list[tuple[str, list[tuple[int, ...]]]]]:
+    """Inside the block, every dispatched op's name and the shapes of its tensor arguments."""
+    import torch
+
+    calls: list[tuple[str, list[tuple[int, ...]]]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            calls.append((str(func.overloadpacket), shapes))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        yield calls
+
+
+def scans_along_rows(calls: list[tuple[str, list[tuple[int, ...]]]]) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """The prefix sums in ``calls`` over a tensor of more than one dimension: on CUDA torch scans those
+    along the first dimension with one thread per column, seconds for a few million rows."""
+    return [call for call in calls if call[0].split(".")[-1] in ("cumsum", "cumsum_") and len(call[1][0]) > 1]

@@ -487,7 +487,7 @@ class TestDevicePath:
     @pytest.mark.parametrize("tensors", [3, 300])
     def test_one_host_wait_and_no_scalar_reads(self, tensors: int) -> None:
         from deltasync.codec.device import host_waits
-        from tests.dispatch_helpers import host_wait_ops, recorded_ops
+        from tests.dispatch_helpers import host_wait_ops, recorded_ops, recorded_shapes, scans_along_rows
 
         data, base, target = self.delta(tensors)
         receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, stage=True)
@@ -496,15 +496,20 @@ class TestDevicePath:
             _, patches = decode(data, base=receiver.lookup, on_device=receiver)
         assert host_waits() - before == 1
         assert not host_wait_ops(ops) and "aten.cumsum_" in ops and "aten.sort" in ops
+        with recorded_shapes() as calls:  # every prefix sum is one device-wide scan
+            decode(data, base=receiver.lookup, on_device=receiver)
+        assert not scans_along_rows(calls)
         receiver.apply(patches)
         for name, tensor in receiver.state().items():
             assert torch.equal(tensor.view(torch.int16), target[name].view(torch.int16)), name
 
     def test_batches_bound_the_scratch_and_give_the_same_patches(self) -> None:
-        """Tensors go in batches of about ``batch`` changes, one wait each; the patches do not change."""
+        """Tensors go in batches of about ``batch`` changes, all queued before one wait; the patches do not
+        change."""
         from deltasync.codec.device import decode_on_device, host_waits, streams_of
         from deltasync.format import read_header
         from deltasync.format.decode import file_entries
+        from tests.dispatch_helpers import recorded_ops
 
         data, base, _ = self.delta(10)  # 40 changes per tensor
         header, entries = read_header(data), file_entries(data)
@@ -516,8 +521,9 @@ class TestDevicePath:
         receiver = TorchModuleApplier({n: t.clone() for n, t in base.items()}, stage=True)
         whole = decode_on_device(items, receiver)
         before = host_waits()
-        batched = decode_on_device(items, receiver, batch=100)  # 3 tensors a batch, the last one 1
-        assert host_waits() - before == 4
+        with recorded_ops() as ops:
+            batched = decode_on_device(items, receiver, batch=100)  # 3 tensors a batch, the last one 1
+        assert host_waits() - before == 1 and ops.count("aten.sort") == 4  # one exponent sort per batch
         for name, patch in whole.items():
             assert torch.equal(patch.indices, batched[name].indices) and torch.equal(patch.values, batched[name].values)
 
@@ -817,3 +823,53 @@ class TestKernels:
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "[3, 8]"
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.one_of(st.just(0), st.integers(0, 50)), max_size=30))
+def test_segment_owners_match_repeat_interleave(counts: list[int]) -> None:
+    """The device path's segment ids (marks and a prefix sum), empty segments included."""
+    from deltasync.tensors import segment_owners
+
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    expected = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+    assert torch.equal(segment_owners(sizes, int(sizes.sum())), expected)
+
+
+def test_frames_inflate_straight_into_their_targets_or_are_refused() -> None:
+    """``decompress_into``: a frame fills its targets exactly; one that holds more or less than they take,
+    carries bytes after it, or is corrupt is a ``CodecError``, never a partial success."""
+    from deltasync.codec._zstd import check_frame, compress, decompress_into
+    from deltasync.errors import CodecError
+
+    payload = np.arange(3000, dtype=np.uint32).view(np.uint8) % 7
+    frame = check_frame(compress(payload, 3), payload.size, "t::idx")
+    out = np.zeros(payload.size + 10, dtype=np.uint8)
+    targets = [out[:100], out[100:5000], out[5010:]]  # 100 + 4900 + 7000 bytes
+    decompress_into(frame, targets, "t::idx")
+    assert np.array_equal(np.concatenate(targets), payload) and not out[5000:5010].any()
+    for wrong in ([out[:11999]], [out[:12000], np.zeros(1, dtype=np.uint8)]):
+        with pytest.raises(CodecError, match="expected"):
+            decompress_into(frame, wrong, "t::idx")
+    with pytest.raises(CodecError, match="after the zstd frame"):
+        decompress_into(np.concatenate([frame, frame[:5]]), [np.zeros(12000, dtype=np.uint8)], "t::idx")
+    broken = frame.copy()
+    broken[len(broken) // 2] ^= 0xFF
+    with pytest.raises(CodecError):
+        decompress_into(broken, [np.zeros(12000, dtype=np.uint8)], "t::idx")
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), max_size=20), seed=st.integers(0, 2**16))
+def test_segment_sums_match_per_segment_sums(counts: list[int], seed: int) -> None:
+    """Prefix-sum differences give each consecutive segment's sum, empty segments included; bools count."""
+    from deltasync.tensors import segment_sums
+
+    values = torch.randint(-50, 50, (sum(counts),), generator=torch.Generator().manual_seed(seed))
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    expected = torch.tensor([int(part.sum()) for part in values.split(counts)], dtype=torch.int64)
+    assert torch.equal(segment_sums(values, sizes), expected)
+    assert torch.equal(segment_sums(values > 0, sizes),
+                       torch.tensor([int((part > 0).sum()) for part in values.split(counts)], dtype=torch.int64))
+    with pytest.raises(ValueError, match="1-D"):
+        segment_sums(values.view(-1, 1), sizes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import deltasync.diff as diff_module
 from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import SCATTERED, bits_view, fingerprint, positions, scattered_positions, write_at
-from tests.dispatch_helpers import host_wait_ops, recorded_ops, without_static_nonzero
+from tests.dispatch_helpers import host_wait_ops, recorded_ops, recorded_shapes, scans_along_rows, without_static_nonzero
 
 BF16 = torch.bfloat16
 
@@ -288,6 +289,9 @@ class TestDevicePath:
             changes = diff(snap, live, chunk=64, on_device=True)
         assert changes.nnz > 0 and host_waits() - before == 2
         assert not host_wait_ops(ops) and "aten.nonzero_static" in ops
+        with recorded_shapes() as calls:  # the next version searches: every prefix sum one device-wide scan
+            diff(snap, live, chunk=64, on_device=True)
+        assert any(name.endswith("cumsum") for name, _ in calls) and not scans_along_rows(calls)
 
 
     def test_the_device_path_takes_larger_chunks_by_default(self) -> None:
@@ -296,13 +300,108 @@ class TestDevicePath:
         from deltasync.diff import DEFAULT_CHUNK, DEVICE_CHUNK
 
         assert DEVICE_CHUNK > DEFAULT_CHUNK
-        live = {"w": torch.zeros(DEFAULT_CHUNK + 10)}
-        snap = Snapshot.capture(live)
-        live["w"][[3, DEFAULT_CHUNK + 5]] = 1.0
-        for chunk, compares in ((None, 2), (DEFAULT_CHUNK, 4)):
+        for chunk, chunks in ((None, 1), (DEFAULT_CHUNK, 2)):
+            live = {"w": torch.zeros(2 * DEFAULT_CHUNK)}
+            snap = Snapshot.capture(live)
+            live["w"][[3, DEFAULT_CHUNK + 5]] = 1.0
+            diff(snap, live, chunk=chunk, on_device=True)  # the first diff counts; the next ones search
             with recorded_ops() as ops:
                 change = diff(snap, live, chunk=chunk, on_device=True).changes[0]
-            assert ops.count("aten.ne") == compares and change.indices.tolist() == [3, DEFAULT_CHUNK + 5]
+            # A search compares each chunk's words, then the elements of the words that changed, all at once.
+            assert ops.count("aten.ne") == chunks + 1 and change.indices.tolist() == [3, DEFAULT_CHUNK + 5]
+
+    @staticmethod
+    def assert_same(cpu: Any, device: Any) -> None:
+        assert [c.spec for c in cpu.changes] == [c.spec for c in device.changes] and cpu.nnz == device.nnz
+        for a, b in zip(cpu.changes, device.changes):
+            assert a.nnz == b.nnz and a.dense == b.dense and torch.equal(a.values, b.values)
+            assert a.dense or (torch.equal(a.indices, b.indices) and torch.equal(a.base, b.base))
+
+    @pytest.mark.parametrize("slack", [8, 1024])
+    @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+    def test_versions_in_a_row_search_within_the_last_counts(self, monkeypatch: pytest.MonkeyPatch,
+                                                             slack: int, device: str) -> None:
+        """Version after version the bounded searches find what the CPU path finds: through quiet steps,
+        a step that changes far more than the last (its searches overflow: one more wait), clustered
+        changes (every element of a word), a tensor turning dense and back, and one going quiet."""
+        from deltasync import device_diff
+
+        monkeypatch.setattr(device_diff, "SLACK", slack)
+        gen = torch.Generator().manual_seed(3)
+        live = {"a": torch.randn(4096, generator=gen), "b": torch.randn(1003, generator=gen),
+                "c": torch.randn(64, 32, generator=gen).to(BF16), "d": torch.randn(600, generator=gen)}
+        snap = Snapshot.capture(live)
+        there = Snapshot.capture({n: t.to(device) for n, t in live.items()})
+        # Per version: fraction of each tensor's elements moved, and whether in whole 4-element words.
+        steps = [(0.01, False), (0.01, False), (0.2, False), (0.02, True), (0.5, False), (0.01, False),
+                 (0.0, False), (0.03, True)]
+        waits = []
+        for fraction, clustered in steps:
+            for name, tensor in live.items():
+                flat = tensor.view(-1)
+                if name == "d" and fraction == 0.5:
+                    flat += 0.25  # every element: dense
+                    continue
+                k = int(fraction * flat.numel())
+                if clustered:  # k // 4 whole words
+                    where = torch.randperm(flat.numel() // 4, generator=gen)[: k // 4] * 4
+                    where = (where[:, None] + torch.arange(4)).view(-1)
+                else:
+                    where = torch.randperm(flat.numel(), generator=gen)[:k]
+                flat[where] += 0.25
+            before = device_diff.host_waits()
+            found = diff(there, {n: t.to(device) for n, t in live.items()}, chunk=1000, on_device=True)
+            waits.append(device_diff.host_waits() - before)
+            cpu = diff(snap, live, chunk=1000)
+            self.assert_same(cpu, found)
+            assert any(c.dense for c in found.changes) == (fraction == 0.5)
+            snap.advance(cpu)
+            there.advance(cpu)
+        assert diff(there, {n: t.to(device) for n, t in live.items()}, on_device=True).changes == ()
+        assert waits[0] == 2  # counted first, then searched
+        if slack == 1024:
+            assert waits[1:3] == [2, 2]  # searched within the last counts, 20x them included
+        else:
+            assert waits[2] == 3  # 20x the last count overflows a tight bound: those chunks counted again
+
+    def test_changes_cut_by_a_group_bound_are_searched_again_without_a_wait(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Whole words changing (4 elements each) can hold more changes than a group has room for, though
+        every changed word was found: those chunks are searched again with their exact counts, no wait."""
+        from deltasync import device_diff
+
+        monkeypatch.setattr(device_diff, "SLACK", 8)
+        monkeypatch.setattr(device_diff, "GROUP", 100)  # about a chunk per group
+        gen = torch.Generator().manual_seed(5)
+        live = {"w": torch.randn(16000, generator=gen)}
+        snap = Snapshot.capture(live)
+        flat = live["w"]
+        for clustered in (False, True, False):
+            if clustered:  # 30 whole words in every chunk of 4000: 120 changes where about 40 changed last time
+                words = torch.cat([torch.randperm(1000, generator=gen)[:30] + 1000 * c for c in range(4)])
+                flat[(words[:, None] * 4 + torch.arange(4)).view(-1)] += 0.25
+            else:
+                flat[torch.randperm(16000, generator=gen)[:160]] += 0.25
+            before = device_diff.host_waits()
+            found = diff(snap, live, chunk=4000, on_device=True)
+            assert device_diff.host_waits() - before == 2
+            cpu = diff(snap, live, chunk=4000)
+            self.assert_same(cpu, found)
+            snap.advance(cpu)
+
+    def test_weights_that_cannot_be_viewed_as_words(self) -> None:
+        """bf16 live weights at an odd offset (a view into a flat buffer): compared element by element."""
+        flat = torch.randn(4001).to(BF16)
+        live = {"w": flat[1:], "v": flat[:3]}
+        snap = Snapshot.capture(live)
+        for _ in range(3):
+            live["w"][torch.randperm(4000)[:40]] += 1.0
+            device = diff(snap, live, chunk=1 << 20, on_device=True)
+            cpu = diff(snap, live)
+            self.assert_same(cpu, device)
+            snap.advance(cpu)
 
     def test_same_changes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A backend without ``nonzero_static`` (CUDA before torch 2.6): the scatter fallback, still two waits."""

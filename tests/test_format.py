@@ -555,3 +555,38 @@ class TestWhatTwoReadersCouldReadDifferently:
             store.put(RETIRED_KEY, text.encode())
             with pytest.raises(ManifestError):
                 read_retired(store)
+
+
+def test_threads_are_kept_between_calls_and_never_wait_on_themselves() -> None:
+    """One pool serves every call; work that fans out again from a pool thread, and callers on many
+    threads at once, all finish; a forked child gets a pool of its own."""
+    import os
+    import threading
+
+    from deltasync import parallel
+
+    work = [10**6] * 16
+    assert parallel.map_shared(lambda x: x, list(range(16)), work, workers=4) == list(range(16))
+    pool = parallel._pool(3)
+    assert parallel._pool(3) is pool  # kept
+    nested = parallel.map_shared(
+        lambda x: sum(parallel.map_shared(lambda y: x * y, list(range(8)), [10**6] * 8, workers=4)),
+        list(range(16)), work, workers=4,
+    )
+    assert nested == [x * 28 for x in range(16)]
+    results: list[list[int]] = []
+    callers = [threading.Thread(target=lambda: results.append(
+        parallel.map_shared(lambda x: x + 1, list(range(16)), work, workers=4))) for _ in range(6)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=60)
+    assert results == [list(range(1, 17))] * 6
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: the parent's pool threads do not exist here
+        ok = parallel.map_shared(lambda x: x, list(range(16)), work, workers=4) == list(range(16))
+        os.write(write, b"1" if ok and parallel._pool(3) is not pool else b"0")
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1"

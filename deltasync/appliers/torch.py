@@ -59,7 +59,7 @@ class TorchModuleApplier:
         self.on_device: DeviceReader | None = self if accelerated else None
         """Set (to this applier) when some tensor is on an accelerator, or with ``stage``: the decoder then
         rebuilds ``compact`` patches on the weights' device (:mod:`deltasync.codec.device`), with one host
-        wait per file (per 4M changes) instead of a read of the replica per tensor, and leaves them there."""
+        wait per file instead of a read of the replica per tensor, and leaves them there."""
 
     def validate(self, header: Header) -> None:
         """Refuse a file that does not fit these tensors, before anything is decoded.

@@ -15,7 +15,7 @@ import zstandard
 
 from ..errors import CodecError
 
-__all__ = ["compress", "decompress"]
+__all__ = ["check_frame", "compress", "decompress", "decompress_into"]
 
 _LOCAL = threading.local()
 
@@ -44,11 +44,11 @@ def compress(payload: bytes | np.ndarray, level: int) -> np.ndarray:
     return np.frombuffer(bytearray(_compressor(level).compress(payload)), dtype=np.uint8)
 
 
-def decompress(blob: np.ndarray, expected: int, what: str) -> bytes:
-    """Decompress one frame that must declare and hold exactly ``expected`` bytes.
+def check_frame(blob: np.ndarray, expected: int, what: str) -> np.ndarray:
+    """``blob`` (contiguous), once it is a zstd frame that declares exactly ``expected`` bytes.
 
-    The declared size is checked before any allocation, so a frame that would
-    inflate to far more than the header promises is refused up front.
+    Checked before any allocation, so a frame that would inflate to far more than the
+    header promises is refused up front.
     """
     data = np.ascontiguousarray(blob)
     try:
@@ -59,6 +59,42 @@ def decompress(blob: np.ndarray, expected: int, what: str) -> bytes:
         raise CodecError(
             f"{what}: zstd frame declares {declared} bytes, header expects {expected}", part=what
         )
+    return data
+
+
+def decompress_into(frame: np.ndarray, targets: list[np.ndarray], what: str) -> None:
+    """Decompress a frame that :func:`check_frame` passed for the targets' total size straight into
+    ``targets`` (contiguous uint8 arrays, filled in order): no output allocated, no copy after.
+
+    A replica's device path inflates every stream into its place in one pinned buffer this way.
+    """
+    expected = sum(t.size for t in targets)
+    got = 0
+    try:
+        reader = _decompressor().stream_reader(frame, read_across_frames=False)
+        for target in targets:
+            view, filled = memoryview(target), 0
+            while filled < target.size:
+                n = reader.readinto(view[filled:])
+                if not n:
+                    break
+                filled += n
+            got += filled
+            if filled < target.size:
+                break
+        extra = reader.read(1) if got == expected else b""
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"{what}: corrupt zstd frame ({exc})", part=what) from None
+    if got != expected or extra:
+        raise CodecError(f"{what}: decompressed {got + len(extra)}{'+' if extra else ''} bytes, expected "
+                         f"{expected}", part=what)
+    if _frame_size(frame) != frame.size:  # one frame and nothing after it: no hidden second payload
+        raise CodecError(f"{what}: bytes after the zstd frame", part=what)
+
+
+def decompress(blob: np.ndarray, expected: int, what: str) -> bytes:
+    """Decompress one frame that must declare and hold exactly ``expected`` bytes (:func:`check_frame`)."""
+    data = check_frame(blob, expected, what)
     try:
         out = _decompressor().decompress(data, max_output_size=expected)
     except zstandard.ZstdError as exc:

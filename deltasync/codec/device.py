@@ -1,4 +1,4 @@
-"""``compact`` and ``compact-abs`` rebuilt on the receiver's device: one host wait per file (per 4M changes).
+"""``compact`` and ``compact-abs`` rebuilt on the receiver's device: one host wait per file.
 
 The host path (:mod:`deltasync.codec.packed`, a chunk of tensors at a time) rebuilds
 indices and values with numpy and reads the receiver's bases back to the host. For weights on an
@@ -7,10 +7,10 @@ every tensor, and doing the prefix sums, the exponent sort and the zigzag on
 the CPU. Here the host only decompresses; the rest runs as torch ops where the
 weights live:
 
-1. **Host threads**: each tensor's zstd frames are decompressed (sizes checked
-   against the header before any allocation, as on the host path), and every
-   stream is copied, on the same threads, into its place in one (pinned, on
-   CUDA) host buffer.
+1. **Host threads**: each tensor's zstd frames are checked (their declared sizes
+   against the header, before any allocation, as on the host path), then
+   inflated straight into their places in one (pinned, on CUDA) host buffer:
+   no stream is allocated or copied on the host.
 2. **One copy** of that buffer to the device (1 to 4 bytes per change for
    positions and 2 or 4 for values, instead of 8 + 2 + 2 on the host path).
 3. **On the device, queued, for all tensors at once**: byte planes merged
@@ -24,8 +24,10 @@ weights live:
    tensor on the device. A file of a few hundred tensors costs a few dozen
    kernels plus two per tensor (its base read), not dozens per tensor.
 4. **Wait**: the flags and the new bit patterns come back in one copy each, and
-   the host waits once (per batch of :data:`BATCH` changed elements, which
-   bounds the scratch memory on the device). It raises the first failed check in file order, then
+   the host waits once per device. Tensors go to the device in batches of about
+   :data:`BATCH` changed elements, which bounds its scratch memory; every batch
+   is queued before the wait (a thread inflates the next batch while the host
+   queues the ops of this one, and the device runs them). The host raises the first failed check in file order, then
    checks every tensor's value digest (BLAKE3 on a few threads: about 0.5 ns
    per change) before anything is written.
 
@@ -39,6 +41,7 @@ when asked (``TorchModuleApplier(stage=True)``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,8 +51,8 @@ import torch
 from ..device_diff import WaitCounter, to_host
 from ..errors import CodecError
 from ..parallel import map_shared
-from ..tensors import BITS_BY_SIZE, TensorSpec, positions
-from ._zstd import decompress
+from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
+from ._zstd import check_frame, decompress, decompress_into
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
 
@@ -58,9 +61,9 @@ __all__ = ["BATCH", "DeviceReader", "Streams", "decode_on_device", "host_waits",
 _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the side gaps view as int64
 
 BATCH = 1 << 22
-"""Changed elements per batch of :func:`decode_on_device` (one host wait each): about 400 MB of scratch."""
+"""Changed elements per batch of :func:`decode_on_device`: about 400 MB of scratch on the device at a time."""
 host_waits = WaitCounter()
-"""``host_waits()``: the waits so far (one per device and batch in each call of :func:`decode_on_device`)."""
+"""``host_waits()``: the waits so far (one per device in each call of :func:`decode_on_device`)."""
 
 
 class DeviceReader(Protocol):
@@ -77,7 +80,7 @@ class DeviceReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Streams:
-    """One tensor's decompressed streams and what the header says about them (host side)."""
+    """One tensor's streams (or their checked frames) and what the header says about them (host side)."""
 
     name: str
     spec: TensorSpec
@@ -89,16 +92,22 @@ class Streams:
     """Where a shard's elements start in the full tensor (0 for a whole tensor)."""
     iw: int
     big: int
-    idx: bytes
-    """``nnz * iw`` bytes of gap planes, then ``8 * big`` bytes of side gaps."""
-    val: bytes
-    """``nnz * width`` bytes of value planes."""
+    idx: bytes | np.ndarray
+    """``nnz * iw`` bytes of gap planes, then ``8 * big`` bytes of side gaps (or their zstd frame, unchecked)."""
+    val: bytes | np.ndarray
+    """``nnz * width`` bytes of value planes (or their zstd frame)."""
+    inflated: bool = True
+    """Whether ``idx`` and ``val`` are the streams (else their frames, checked and inflated where they go)."""
 
 
 def streams_of(
-    name: str, codec: str, parts: Parts, params: Params, spec: TensorSpec, nnz: int, offset: int
+    name: str, codec: str, parts: Parts, params: Params, spec: TensorSpec, nnz: int, offset: int,
+    inflate: bool = True,
 ) -> Streams:
     """Check one tensor's params and decompress its frames (runs on the host's decode threads).
+
+    With ``inflate=False`` the frames are kept: :func:`decode_on_device` checks them and inflates them
+    straight into the buffer it copies to the device.
 
     Raises:
         `CodecError`: bad params, a missing or mistyped part, a frame of the wrong size.
@@ -111,6 +120,8 @@ def streams_of(
     idx_blob = to_numpy(check_part(parts, "idx", torch.uint8, None, spec))
     val_blob = to_numpy(check_part(parts, "val", torch.uint8, None, spec))
     width = spec.torch_dtype.itemsize
+    if not inflate:  # the frames are checked where they are inflated (the buffer's size is the header's)
+        return Streams(name, spec, nnz, params, codec == "compact", offset, iw, big, idx_blob, val_blob, False)
     idx = decompress(idx_blob, nnz * iw + 8 * big, f"{spec.name}::idx")
     val = decompress(val_blob, nnz * width, f"{spec.name}::val")
     return Streams(name, spec, nnz, params, codec == "compact", offset, iw, big, idx, val)
@@ -119,12 +130,12 @@ def streams_of(
 def decode_on_device(
     items: Sequence[Streams], reader: DeviceReader, batch: int | None = None
 ) -> dict[str, Decoded]:
-    """Rebuild and validate every tensor of ``items`` on its device; one host wait per device and batch.
+    """Rebuild and validate every tensor of ``items`` on its device; one host wait per device.
 
     Tensors go in batches of about ``batch`` changed elements (default :data:`BATCH`), which bounds the
-    scratch memory on the device (at most about 100 bytes per change of a batch, freed as it goes); the
-    results stay there until the applier writes them: int64 indices and the new values, 10 or 12 bytes
-    per changed element of the file.
+    scratch memory on the device (at most about 100 bytes per change of a batch, reused by the next batch
+    in stream order); the results stay there until the applier writes them: int64 indices and the new
+    values, 10 or 12 bytes per changed element of the file.
 
     Returns:
         Per tensor, ``Decoded`` whose indices (int64, flat in the full tensor) and values live on the
@@ -138,15 +149,64 @@ def decode_on_device(
     for item in items:
         by_device.setdefault(reader.device_of(item.name), []).append(item)
     limit = BATCH if batch is None else batch
-    out: dict[str, Decoded] = {}
+    batches: list[tuple[torch.device, list[Streams]]] = []
     for device, group in by_device.items():
         start, size = 0, 0
         for end, item in enumerate(group, 1):
             size += item.nnz
             if size >= limit or end == len(group):
-                out.update(_decode_group(device, group[start:end], reader))
+                batches.append((device, group[start:end]))
                 start, size = end, 0
+    if not batches:
+        return {}
+    queued: list[_Queued] = []
+    # Every batch queued before any wait; while the host queues one batch's ops, a thread inflates the next.
+    with ThreadPoolExecutor(1, "deltasync-stage") as ahead:
+        staged = ahead.submit(_stage, *batches[0])
+        for k, (device, group) in enumerate(batches):
+            plan, host = staged.result()
+            if k + 1 < len(batches):
+                staged = ahead.submit(_stage, *batches[k + 1])
+            queued.append(_queue_group(device, group, reader, plan, host))
+    for device in by_device:
+        host_waits.wait(device)  # the one wait per device: every flag and value has reached the host
+    failed = {item.name for batch in queued for item in batch.failed()}
+    for item in items:  # the first failed check in file order
+        if item.name in failed:
+            raise CodecError(
+                f"{item.name}: hostile index stream (escape count, side gaps or an index out of range "
+                f"[0, {item.spec.numel}))", name=item.name,
+            )
+    checks = [(batch, k) for batch in queued for k in range(len(batch.items))]
+    map_shared(lambda job: job[0].check(job[1]), checks, [job[0].items[job[1]].nnz for job in checks])
+    out = {name: patch for batch in queued for name, patch in batch.decoded.items()}
     return {item.name: out[item.name] for item in items}
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """One batch queued on its device: what the host reads after the wait."""
+
+    items: list[Streams]
+    decoded: dict[str, Decoded]
+    """Per tensor, its patch on the device."""
+    flags: torch.Tensor
+    """Host copy (read after the wait): per tensor in index-stream order, its index stream is well formed."""
+    values: dict[int, np.ndarray]
+    """Host views (read after the wait): per tensor, its new bit patterns."""
+    position: dict[int, int]
+    """Tensor -> its place in index-stream order (the flags' order)."""
+    staging: torch.Tensor
+    """The host buffer the batch was copied from, kept until the wait."""
+
+    def failed(self) -> list[Streams]:
+        flags = self.flags.tolist()
+        return [item for k, item in enumerate(self.items) if not flags[self.position[k]]]
+
+    def check(self, k: int) -> None:
+        """Tensor ``k``'s values against the publisher's digest (:class:`IntegrityError` if they differ)."""
+        item = self.items[k]
+        check_values(self.values[k], item.params, item.spec)
 
 
 class _Packing:
@@ -218,16 +278,25 @@ class _Packing:
         map_shared(lambda k: self._place(out, items[k], k), range(len(items)), [item.nnz for item in items])
 
     def _place(self, out: np.ndarray, item: Streams, k: int) -> None:
-        """Copy one tensor's planes into its columns of the shared layouts, and its side gaps."""
+        """Put one tensor's planes into its columns of the shared layouts, and its side gaps: inflated
+        there from their frames, or copied."""
         n, column, side, value = item.nnz, self.index_column[k], self.side_at[k], self.value_column[k]
         base, count, _ = self.idx[item.iw]
-        planes = out[base : base + item.iw * count].reshape(item.iw, count)
-        planes[:, column : column + n] = np.frombuffer(item.idx, dtype=np.uint8, count=item.iw * n).reshape(item.iw, n)
-        out[side : side + 8 * item.big] = np.frombuffer(item.idx, dtype=np.uint8, offset=item.iw * n)
+        index_planes = [out[base + p * count + column : base + p * count + column + n] for p in range(item.iw)]
+        index_planes.append(out[side : side + 8 * item.big])
         width = item.spec.torch_dtype.itemsize
         base, count = self.val[(item.base_relative, width)]
-        planes = out[base : base + width * count].reshape(width, count)
-        planes[:, value : value + n] = np.frombuffer(item.val, dtype=np.uint8).reshape(width, n)
+        value_planes = [out[base + p * count + value : base + p * count + value + n] for p in range(width)]
+        if not item.inflated:
+            for targets, frame, part in ((index_planes, item.idx, "idx"), (value_planes, item.val, "val")):
+                what = f"{item.spec.name}::{part}"
+                decompress_into(check_frame(np.asarray(frame), sum(t.size for t in targets), what), targets, what)
+            return
+        for targets, stream in ((index_planes, item.idx), (value_planes, item.val)):
+            at = 0
+            for target in targets:
+                target[:] = np.frombuffer(stream, dtype=np.uint8, count=target.size, offset=at)
+                at += target.size
 
     def columns(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         """The table's columns, on the device."""
@@ -239,27 +308,35 @@ class _Packing:
         return out
 
 
-def _decode_group(device: torch.device, items: list[Streams], reader: DeviceReader) -> dict[str, Decoded]:
-    """Every tensor of ``items`` at once: a few ops per stream layout, two per tensor that reads its base."""
-    pinned = device.type == "cuda"
+def _stage(device: torch.device, items: list[Streams]) -> tuple[_Packing, torch.Tensor]:
+    """Lay out a batch and fill its host buffer (pinned for a CUDA device), on the decode threads."""
     plan = _Packing(items)
-    host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=pinned)
+    host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     plan.fill(host.numpy(), items)
-    raw = host.to(device, non_blocking=pinned)
+    return plan, host
+
+
+def _queue_group(
+    device: torch.device, items: list[Streams], reader: DeviceReader, plan: _Packing, host: torch.Tensor
+) -> _Queued:
+    """Queue every tensor of a staged batch at once: a few ops per stream layout, two per tensor that
+    reads its base; its flags and values are copied back to the host asynchronously (read them after a
+    wait)."""
+    raw = host.to(device, non_blocking=device.type == "cuda")
     col = plan.columns(raw)
-    indices, ok = _indices(plan, raw, col, device)
+    owner = segment_owners(col["count"], plan.total)  # each change's tensor, in index-stream order
+    indices, ok = _indices(plan, raw, col, device, owner)
     safe = None
     if any(item.base_relative for item in items):  # read the base at clamped indices: never out of bounds
-        top = torch.repeat_interleave(col["top"], col["count"], output_size=plan.total)
-        safe = torch.minimum(indices.clamp_min(0), top)
+        safe = torch.minimum(indices.clamp_min(0), col["top"][owner])
     if any(item.offset for item in items):  # shards: indices into the full tensor
-        shift = torch.repeat_interleave(col["offset"], col["count"], output_size=plan.total)
+        shift = col["offset"][owner]
         indices = indices + shift
         safe = safe + shift if safe is not None else None
     position = {k: p for p, k in enumerate(plan.order)}
     span = {k: (int(plan.start[position[k]]), int(plan.start[position[k] + 1])) for k in range(len(items))}
     values: dict[int, torch.Tensor] = {}
-    buffers = {}
+    on_host: dict[int, np.ndarray] = {}
     for key, members in plan.values.items():
         base_relative, width = key
         at, count = plan.val[key]
@@ -270,41 +347,24 @@ def _decode_group(device: torch.device, items: list[Streams], reader: DeviceRead
             for k in members:
                 a, b = span[k]
                 current[plan.value_column[k] : plan.value_column[k] + b - a] = reader.gather(items[k].name, safe[a:b])
-            tensors = torch.arange(len(members), dtype=torch.int32, device=device)  # 32-bit sort keys: 2x faster
-            segment = torch.repeat_interleave(tensors, col[f"count{key}"], output_size=count)
+            segment = segment_owners(col[f"count{key}"], count).to(torch.int32)  # 32-bit sort keys: 2x faster
             buffer = _add_base(words, current, width, segment)
         else:
             buffer = words.to(BITS_BY_SIZE[width])
-        buffers[key] = buffer
+        flat = to_host(buffer).numpy()  # lands by the wait
         for k in members:
             values[k] = buffer[plan.value_column[k] : plan.value_column[k] + items[k].nnz]
-
-    # The one wait: the flags and every value, back to the host together.
-    flags_host = to_host(ok)
-    values_host = {key: to_host(buffer) for key, buffer in buffers.items()}
-    host_waits.wait(device)
-    flags = flags_host.tolist()
-    for k, item in enumerate(items):
-        if not flags[position[k]]:
-            raise CodecError(
-                f"{item.name}: hostile index stream (escape count, side gaps or an index out of range "
-                f"[0, {item.spec.numel}))", name=item.name,
-            )
-    on_host: dict[int, np.ndarray] = {}
-    for key, members in plan.values.items():
-        flat = values_host[key].numpy()
-        for k in members:
             on_host[k] = flat[plan.value_column[k] : plan.value_column[k] + items[k].nnz]
-    map_shared(lambda k: check_values(on_host[k], items[k].params, items[k].spec), range(len(items)),
-               [item.nnz for item in items])
-    return {item.name: Decoded(indices[span[k][0] : span[k][1]], values[k]) for k, item in enumerate(items)}
+    decoded = {item.name: Decoded(indices[span[k][0] : span[k][1]], values[k]) for k, item in enumerate(items)}
+    return _Queued(items, decoded, to_host(ok), on_host, position, host)
 
 
 def _indices(
-    plan: _Packing, raw: torch.Tensor, col: dict[str, torch.Tensor], device: torch.device
+    plan: _Packing, raw: torch.Tensor, col: dict[str, torch.Tensor], device: torch.device, owner: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every tensor's flat indices (slice-relative, index-stream order) and a flag per tensor: its stream
-    is well formed (escape count, side gaps that cannot wrap a sum, the last index in bounds)."""
+    is well formed (escape count, side gaps that cannot wrap a sum, the last index in bounds). ``owner``:
+    each change's tensor (:func:`~deltasync.tensors.segment_owners` of the counts)."""
     narrow_parts, escaped_parts = [], []
     for iw, (at, count, _) in plan.idx.items():
         narrow = _unplanes(raw[at : at + iw * count], iw, count).to(torch.int64)
@@ -314,7 +374,6 @@ def _indices(
     gaps = torch.cat(narrow_parts) if narrow_parts else torch.zeros(0, dtype=torch.int64, device=device)
     escaped = torch.cat(escaped_parts) if escaped_parts else torch.zeros(0, dtype=torch.bool, device=device)
     gaps += 1  # the gap plus the changed element itself
-    tensors = len(plan.order)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     escapes = torch.cat([zero, escaped.to(torch.int64).cumsum_(0)])  # escapes before each position
     ok = escapes[col["start"] + col["count"]] - escapes[col["start"]] == col["big"]
@@ -323,10 +382,10 @@ def _indices(
     bound = col["count"].to(torch.float32) * col["scale"].to(torch.float32)
     if plan.big:
         side = raw[plan.side : plan.side + 8 * plan.big].view(torch.int64)  # little-endian uint64, as written
-        side_owner = torch.repeat_interleave(torch.arange(tensors, device=device), col["big"], output_size=plan.big)
-        ok &= torch.zeros(tensors, dtype=torch.int64, device=device).index_add_(
-            0, side_owner, (side < 0).to(torch.int64)) == 0  # at or above 2**63
-        bound = bound.index_add_(0, side_owner, side.to(torch.float32))
+        ok &= segment_sums((side < 0).to(torch.int64), col["big"]) == 0  # at or above 2**63
+        # float32 prefix sums: a neighbour's huge gaps blur this tensor's sum by far less than the margin
+        # to 2**63, and a neighbour whose gaps reach 2**61 is refused itself.
+        bound = bound + segment_sums(side.to(torch.float32), col["big"])
         where = positions(escaped, plan.big)
         gaps.index_put_((where,), side + 1)
     ok &= bound < 2.0**61
@@ -334,7 +393,7 @@ def _indices(
     # Per tensor, subtract the sum before its first gap (int64 sums wrap alike, so a hostile neighbour
     # cannot shift these indices).
     before = torch.cat([zero, summed])[col["start"]]
-    indices = summed.sub_(torch.repeat_interleave(before, col["count"], output_size=total)).sub_(1)
+    indices = summed.sub_(before[owner]).sub_(1)
     if total:
         ok &= (col["count"] == 0) | (indices[col["last"]] < col["numel"])
     return indices, ok

@@ -168,9 +168,10 @@ def decode_entries(
         except DeltaSyncError as exc:  # raised below, the first in file order
             return exc
 
-    def streams(name: str) -> Streams:
+    def streams(name: str, inflate: bool = True) -> Streams:
         entry = wanted[name]
-        return streams_of(name, entry.codec, grouped[name], entry.params, entry.local_spec, entry.nnz, entry.offset)
+        return streams_of(name, entry.codec, grouped[name], entry.params, entry.local_spec, entry.nnz, entry.offset,
+                          inflate)
 
     def chunk(names: list[str]) -> list[Decoded | DeltaSyncError]:
         """Decompress and decode ``names`` together; tensor by tensor when any check fails (exact errors)."""
@@ -186,14 +187,19 @@ def decode_entries(
 
     def prepared(name: str) -> Streams | Decoded | DeltaSyncError:
         try:
-            return streams(name) if wanted[name].codec in STREAM_CODECS else decode_one(name)
+            # Frames checked here, inflated on the device path's threads straight into its staging buffer.
+            return streams(name, inflate=False) if wanted[name].codec in STREAM_CODECS else decode_one(name)
         except DeltaSyncError as exc:
             return exc
 
     names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
     results: dict[str, object]
-    if on_device is not None:  # compact tensors decompressed here, rebuilt on the device
-        results = dict(zip(names, map_shared(prepared, names, [wanted[n].nnz for n in names])))
+    if on_device is not None:  # compact tensors checked here, inflated and rebuilt on the device path
+        # Checking a compact tensor's params and parts is a few dozen microseconds of Python: threads
+        # would only pass the GIL around. Other codecs decode here, on threads.
+        light = all(wanted[n].codec in STREAM_CODECS for n in names)
+        results = dict(zip(names, map_shared(prepared, names, [wanted[n].nnz for n in names],
+                                             workers=1 if light else None)))
         _raise_first(results)  # before anything goes to the device
         on_host = [found for found in results.values() if isinstance(found, Streams)]
         if on_host:
