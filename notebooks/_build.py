@@ -397,13 +397,19 @@ tensors, fp32 masters, 1 % changed) and, in the same run on the same device, the
 implementation can skip: `ne` + `nonzero` for the diff, decompressing and reading the base at every changed
 index for the decode, `index_copy_` for the apply, a copy of every weight for the whole update and the anchors.
 A bar is the stage's median time divided by its floor's: 1 is the floor, and below 1 the stage beat the bare
-pass (the diff's chunks stay in cache where the bare pass does not). One panel per device with results, and one
+pass (the diff's chunks stay in cache where the bare pass does not). One panel per device with results, one
 for a real run's steps (`--checkpoints`: SmolLM2-135M's published weights at steps 33 to 40 of the payload run,
-272 tensors, about 1 % changed per step)."""),
+272 tensors, about 1 % changed per step), and the GPU runs: 1B parameters on an H200, with this release's device
+paths (`cuda`) and before them (`cuda_before`). Rows measured on code that has changed since are left out of
+the plot and named under it."""),
     ("code", '''\
 runs = {p.stem.split("_", 2)[-1]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("device_sync_*.json"))}
-fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
-for ax, (device, sync) in zip(axes[0], runs.items()):
+columns = min(2, len(runs))
+rows = -(-len(runs) // columns)
+fig, axes = plt.subplots(rows, columns, figsize=(7.5 * columns, 4.6 * rows), squeeze=False)
+for ax in axes.flat[len(runs):]:
+    ax.axis("off")
+for ax, (device, sync) in zip(axes.flat, runs.items()):
     names = [n for n, row in sync["stages"].items() if row.get("floor") and not row.get("superseded")]
     ratio = [sync["stages"][n]["deltasync"] / sync["stages"][n]["floor"] for n in names]
     colors = ["tab:green" if r <= 2 else "tab:orange" if r <= 5 else "tab:red" for r in ratio]
@@ -413,7 +419,7 @@ for ax, (device, sync) in zip(axes[0], runs.items()):
     ax.set(xscale="log", xlabel="time / floor (median; 1 = the bare pass)",
            title=f"{device}: {sync['params'] / 1e6:.0f}M params, {100 * sync['density']:.2g} % changed"
                  + (f" ({len(sync['checkpoints'])} checkpoints of a run)" if sync.get("checkpoints") else ""))
-    ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50) if t < 2 * max(ratio)]
+    ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100, 300, 1000) if t < 2 * max(ratio)]
     ax.minorticks_off()
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
     for y, (n, r) in enumerate(zip(names, ratio)):
