@@ -98,6 +98,15 @@ def _mark() -> None:
     _inside.pool = True
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the parent's pool threads do not exist here, and its lock may have been held."""
+    global _lock, _shared
+    _lock, _shared = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _pool(threads: int) -> ThreadPoolExecutor:
     """The process's pool, with at least ``threads`` threads."""
     global _shared
