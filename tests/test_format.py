@@ -590,3 +590,22 @@ def test_threads_are_kept_between_calls_and_never_wait_on_themselves() -> None:
         os._exit(0)
     os.waitpid(child, 0)
     assert os.read(read, 1) == b"1"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_anchor_from_cuda_tensors_is_the_anchor_of_their_cpu_copies() -> None:
+    """Tensors on the GPU reach the host through one pinned buffer: odd sizes, a strided view, an empty
+    tensor and two dtypes end byte for byte where their CPU copies would."""
+    from deltasync.format import encode_anchor
+
+    gen = torch.Generator().manual_seed(0)
+    on_cpu = {
+        "a": torch.randn(7, 3, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(1001, generator=gen),
+        "c": torch.randn(6, 4, generator=gen).to(torch.bfloat16).t(),  # not contiguous
+        "d": torch.zeros(0, 5, dtype=torch.bfloat16),
+    }
+    on_gpu = {name: t.cuda() for name, t in on_cpu.items()}
+    on_gpu["c"] = on_cpu["c"].t().contiguous().cuda().t()
+    assert encode_anchor(on_gpu, version=3) == encode_anchor(on_cpu, version=3)

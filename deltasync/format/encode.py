@@ -21,14 +21,15 @@ import torch
 from ..codec import DEFAULT_CODEC, get_codec
 from ..diff import ChangeSet, TensorChange
 from ..parallel import map_shared
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, settle
 from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
 
 __all__ = [
     "DEFAULT_LEVEL", "encode_delta", "encode_anchor", "encode_anchor_parts", "serialize", "serialize_parts",
-    "as_numpy_bits",
+    "as_numpy_bits", "on_host",
 ]
 
+_ALIGN = 64  # bytes between tensors staged in one host buffer (:func:`on_host`)
 DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
 # safetensors' dtype names, with the rank of its writer's layout order (entries
 # of a higher rank come first); see serialize.
@@ -218,7 +219,7 @@ def encode_anchor_parts(
     """
     specs = tuple(TensorSpec.of(n, t) for n, t in source.items())
     full = _full_specs(tuple(model) if model is not None else specs, specs, rows)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in source.items()}
+    tensors = on_host(source, pinned=any(t.device.type == "cuda" for t in source.values()))
     tensors = dict(sorted(tensors.items(), key=lambda item: natural_key(item[0])))
     entries = {
         s.name: entry_json(full[s.name], "dense", s.numel, {}, (rows or {}).get(s.name), entry_digest([tensors[s.name]]))
@@ -226,6 +227,30 @@ def encode_anchor_parts(
     }
     meta = metadata_strings("anchor", version, None, tuple(model) if model is not None else specs, entries)
     return serialize_parts(tensors, meta)
+
+
+def on_host(source: Mapping[str, torch.Tensor], *, pinned: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of ``source`` on the CPU, contiguous; CPU tensors as they are where they already are.
+
+    Tensors elsewhere go through one host buffer (pinned when ``pinned``: on CUDA) with one asynchronous
+    copy each and one wait per device for all of them. A copy per tensor to pageable memory would wait
+    for each in turn and move at the driver's staging speed, a fraction of a pinned copy's.
+    """
+    away = {name: t for name, t in source.items() if t.device.type != "cpu"}
+    out = {name: t.detach().contiguous() for name, t in source.items() if name not in away}
+    if not away:
+        return out
+    starts, at = {}, 0
+    for name, t in away.items():
+        starts[name] = at
+        at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN  # each tensor aligned for its dtype
+    staging = torch.empty(at, dtype=torch.uint8, pin_memory=pinned)
+    for name, t in away.items():
+        nbytes = t.numel() * t.element_size()
+        view = staging[starts[name] : starts[name] + nbytes].view(t.dtype).view(t.shape)
+        out[name] = view.copy_(t.detach(), non_blocking=pinned)
+    settle(t.device for t in away.values())  # every copy landed before the buffers are read
+    return {name: out[name] for name in source}
 
 
 def as_numpy_bits(tensor: torch.Tensor) -> np.ndarray:
