@@ -150,8 +150,10 @@ def changes_on_device(
     searched = [_search(jobs, group, bounds, scratch, words) for group, words in _groups(jobs, bounds)]  # queued
     host_waits.count += 1  # wait 1: the counts and what each search found, in one copy
     home = jobs[0].old.device
-    flat = torch.cat([g.found.view(-1).to(home) for g in searched] + [torch.stack(list(counted.values())).to(home)]
-                     if counted else [g.found.view(-1).to(home) for g in searched]).tolist()
+    found_on_device = [group.found.view(-1).to(home) for group in searched]
+    if counted:
+        found_on_device.append(torch.stack(list(counted.values())).to(home))
+    flat = torch.cat(found_on_device).tolist()  # searches' (words, elements) pairs, then the counts
     exact = dict(zip(counted, flat[len(flat) - len(counted) :]))
     found: dict[int, tuple[_Group, int]] = {}  # job -> (its search, where its changes start in it)
     unknown = []

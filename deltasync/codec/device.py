@@ -142,8 +142,10 @@ def decode_on_device(
         tensor's device.
 
     Raises:
-        `CodecError`: a hostile index stream (the first in ``items`` order); `IntegrityError`: decoded
-            values that differ from the publisher's digest (the first in ``items`` order).
+        `CodecError`: a frame that is not what the header says (raised as it is inflated, from the first
+            batch that holds one), or a hostile index stream (the first in ``items`` order);
+            `IntegrityError`: decoded values that differ from the publisher's digest (the first in
+            ``items`` order).
     """
     by_device: dict[torch.device, list[Streams]] = {}
     for item in items:
