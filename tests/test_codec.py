@@ -708,6 +708,30 @@ def test_chunks_group_one_kind_in_file_order_up_to_the_chunk_size(monkeypatch: p
 class TestKernels:
     """The compiled host kernels (codec/kernels.py) against the numpy decoder they replace."""
 
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+    def test_base_reads_match_index_select_and_refuse_what_is_out_of_range(self, dtype: torch.dtype) -> None:
+        """``take`` is ``index_select``; a replica's lookup goes through it on the CPU, and an index out of
+        range is still refused (by torch's own check) instead of read."""
+        from deltasync.codec.kernels import take
+        from deltasync.tensors import bits_view
+
+        gen = torch.Generator().manual_seed(0)
+        weights = torch.randn(3, 1000, generator=gen).to(dtype)
+        flat = bits_view(weights).view(-1)
+        index = torch.randperm(3000, generator=gen)[:300].sort().values
+        picked = take(flat.numpy(), index.numpy())
+        assert picked is not None and np.array_equal(picked, flat.index_select(0, index).numpy())
+        assert take(flat.numpy(), np.array([0, 3000])) is None and take(flat.numpy(), np.array([-1])) is None
+        receiver = TorchModuleApplier({"w": weights})  # published as bf16: fp32 and fp16 take torch's path
+        published = receiver.specs["w"].torch_dtype
+        expected = bits_view(weights.to(published)).view(-1)[index].numpy()
+        assert np.array_equal(receiver.lookup("w", index.numpy()), expected)
+        with pytest.raises((IndexError, RuntimeError)):
+            receiver.lookup("w", np.array([5, 3000]))
+        transposed = TorchModuleApplier({"w": weights.t()})  # not contiguous: torch's path, same bits
+        expected = bits_view(weights.t().contiguous().to(published)).view(-1)[index]
+        assert np.array_equal(transposed.lookup("w", index.numpy()), expected.numpy())
+
     @settings(max_examples=60, deadline=None)
     @given(
         gaps=st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**17), st.integers(0, 2**33)), max_size=60),

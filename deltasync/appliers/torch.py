@@ -19,6 +19,7 @@ import torch
 
 from ..codec import Decoded
 from ..codec.device import DeviceReader
+from ..codec.kernels import take
 from ..errors import ConfigError
 from ..format import Header
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, write_at
@@ -72,8 +73,13 @@ class TorchModuleApplier:
 
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""
-        device = self._tensors[name].device
-        return self.gather(name, _tensor(indices).to(device)).cpu().numpy()
+        tensor = self._tensors[name].detach()
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == self.specs[name].torch_dtype:
+            # Weights on the CPU in their published dtype: a compiled gather (refuses an index out of range).
+            picked = take(bits_view(tensor).view(-1).numpy(), np.ascontiguousarray(indices, dtype=np.int64))
+            if picked is not None:
+                return picked
+        return self.gather(name, _tensor(indices).to(tensor.device)).cpu().numpy()
 
     def device_of(self, name: str) -> torch.device:
         """The device tensor ``name`` lives on."""

@@ -24,6 +24,17 @@ def _jit(fn: Any) -> Any:
 
 
 @_jit
+def take(src: Any, indices: Any, out: Any) -> int:
+    size = src.size
+    for j in range(indices.size):
+        at = indices[j]
+        if at < 0 or at >= size:
+            return OUT_OF_RANGE
+        out[j] = src[at]
+    return OK
+
+
+@_jit
 def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
     escape = (1 << (8 * iw)) - 1
     side = nnz * iw
