@@ -377,8 +377,7 @@ def _indices(
     escaped = torch.cat(escaped_parts) if escaped_parts else torch.zeros(0, dtype=torch.bool, device=device)
     gaps += 1  # the gap plus the changed element itself
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    escapes = torch.cat([zero, escaped.to(torch.int64).cumsum_(0)])  # escapes before each position
-    ok = escapes[col["start"] + col["count"]] - escapes[col["start"]] == col["big"]
+    ok = segment_sums(escaped, col["count"]) == col["big"]  # each tensor's escapes, as its params count them
     # Each tensor's sum bounded in float first (per tensor, so one hostile stream cannot hide another's):
     # below it no sum wraps int64 and every index increases strictly.
     bound = col["count"].to(torch.float32) * col["scale"].to(torch.float32)
