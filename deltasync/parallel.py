@@ -91,7 +91,7 @@ def _fan_out(pool: ThreadPoolExecutor, run: Callable[[list[int]], None], shares:
 
 _inside = threading.local()
 _lock = threading.Lock()
-_shared: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
+_shared: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool); forgotten in a forked child
 
 
 def _mark() -> None:
@@ -111,8 +111,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     """The process's pool, with at least ``threads`` threads."""
     global _shared
     with _lock:
-        if _shared is None or _shared[0] != os.getpid() or _shared[1] < threads:
+        if _shared is None or _shared[0] < threads:
             # A smaller pool is dropped, not shut down: a caller may still be submitting to it; its idle
             # threads exit once it is collected.
-            _shared = (os.getpid(), threads, ThreadPoolExecutor(threads, "deltasync", initializer=_mark))
-        return _shared[2]
+            _shared = (threads, ThreadPoolExecutor(threads, "deltasync", initializer=_mark))
+        return _shared[1]

@@ -187,7 +187,8 @@ def decode_entries(
 
     def prepared(name: str) -> Streams | Decoded | DeltaSyncError:
         try:
-            # Frames checked here, inflated on the device path's threads straight into its staging buffer.
+            # Params and parts checked here; the frames are checked and inflated on the device path's
+            # threads, straight into its staging buffer.
             return streams(name, inflate=False) if wanted[name].codec in STREAM_CODECS else decode_one(name)
         except DeltaSyncError as exc:
             return exc
