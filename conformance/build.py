@@ -1,7 +1,7 @@
 """Build the conformance suite: small golden stores, broken copies of one, and what a reader must get from each.
 
     python conformance/build.py                          # rewrites conformance/golden and conformance/broken
-    python conformance/build.py shapes-bf16-compact-exp  # (re)builds one golden case, keeping the others
+    python conformance/build.py shapes-bf16-exp-rice     # (re)builds one golden case, keeping the others
 
 The stores are written through the public API (``Publisher``) from weights
 edited bit by bit, so every feature a reader must handle appears on purpose:
@@ -216,7 +216,7 @@ def multipart_retired_case(root: Path) -> None:
 def golden_cases() -> dict[str, Callable[[Path], None]]:
     """Every golden case by name, with what builds it."""
     return {
-        **{f"shapes-bf16-{codec}": shapes_case(codec) for codec in ("compact", "compact-abs", "compact-exp", "raw")},
+        **{f"shapes-bf16-{codec}": shapes_case(codec) for codec in ("compact", "compact-abs", "compact-exp", "exp-rice", "raw")},
         "dtypes-f16-f32-compact": dtypes_case,
         "anchors-multipart-retired": multipart_retired_case,
         "sharded-2-ranks": sharded,

@@ -16,7 +16,7 @@ from deltasync.codec import codec_names, get_codec, register_codec
 from deltasync.diff import Snapshot, diff
 from deltasync.format import decode, encode_anchor, encode_delta
 
-SPARSE_CODECS = ["compact", "compact-abs", "compact-exp", "raw"]
+SPARSE_CODECS = ["compact", "compact-abs", "compact-exp", "exp-rice", "raw"]
 DTYPES = {"BF16": (torch.bfloat16, torch.int16), "F16": (torch.float16, torch.int16), "F32": (torch.float32, torch.int32)}
 # Bit patterns float comparisons get wrong: +-0, NaN payloads, +-inf, subnormals, extremes.
 SPECIAL_16 = [0x0000, -0x8000, 0x7FC0, 0x7FC1, -0x003F, 0x7F80, -0x0080, 0x0001, -0x7FFF, 0x7F7F, -0x0081]
@@ -430,7 +430,7 @@ class TestValueDigest:
         assert encoded.params["blake3"] == values_digest(new) and "sum" not in encoded.params
         return encoded, spec, (lambda name, where: base[where]), new
 
-    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp"])
+    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp", "exp-rice"])
     def test_blake3_is_written_and_checked(self, codec: str) -> None:
         import blake3
 

@@ -98,7 +98,7 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
             if not name.isascii():
                 seen["non-ascii name"] += 1
     for need in [
-        ("codec", "compact"), ("codec", "compact-abs"), ("codec", "compact-exp"), ("codec", "raw"), ("codec", "dense"),
+        ("codec", "compact"), ("codec", "compact-abs"), ("codec", "compact-exp"), ("codec", "exp-rice"), ("codec", "raw"), ("codec", "dense"),
         ("dtype", "BF16"), ("dtype", "F16"), ("dtype", "F32"),
         *[("dims", d) for d in range(5)],
         ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),

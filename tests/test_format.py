@@ -271,7 +271,7 @@ class TestReceiverValidation:
 @given(st.data())
 def test_fuzzed_files_raise_only_typed_errors(data: st.DataObject) -> None:
     """Any corruption either decodes or raises a DeltaSyncError; nothing else escapes."""
-    codec = data.draw(st.sampled_from(["compact", "raw", "compact-abs", "compact-exp"]))
+    codec = data.draw(st.sampled_from(["compact", "raw", "compact-abs", "compact-exp", "exp-rice"]))
     original, base, _ = make_delta(codec)
     buf = bytearray(original)
     for _ in range(data.draw(st.integers(1, 8))):
@@ -324,7 +324,7 @@ def _shards(
 @pytest.mark.parametrize("batched", [False, True], ids=["host", "on-device"])
 @pytest.mark.parametrize("flat", [False, True], ids=["rows", "elements"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-@pytest.mark.parametrize("codec", ["compact", "raw", "compact-exp"])
+@pytest.mark.parametrize("codec", ["compact", "raw", "compact-exp", "exp-rice"])
 def test_shards_join_into_exact_weights(world: int, codec: str, flat: bool, batched: bool) -> None:
     """Shard files, decoded on the host or rebuilt on the receiver's device (as a replica on an
     accelerator does): a shard's indices are shifted to the full tensor's either way."""

@@ -90,7 +90,7 @@ class TestEndToEnd:
                     assert torch.equal(bits_view(got), bits_view(want.contiguous())), name  # bit for bit
         assert sub.version == pub.version == 3
 
-    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp", "raw"])
+    @pytest.mark.parametrize("codec", ["compact", "compact-abs", "compact-exp", "exp-rice", "raw"])
     def test_a_staged_replica_rebuilds_compact_patches_on_its_device(self, codec: str) -> None:
         """The path a replica on an accelerator takes: ``compact`` and ``compact-abs`` tensors are rebuilt
         where the weights live (reading bases there, never through the host lookup) and written from
@@ -117,7 +117,7 @@ class TestEndToEnd:
         if codec in ("compact", "compact-abs"):
             assert lookups == [] and waits == 2  # v1 and v2 (v0 is an anchor): one wait per file
         else:
-            assert waits == 0 and (codec != "compact-exp" or lookups)
+            assert waits == 0 and (codec not in ("compact-exp", "exp-rice") or lookups)
 
     def test_a_staged_replica_that_drifted_refuses_the_delta_untouched(self) -> None:
         """The device path checks every value digest before anything is written, and says which side is

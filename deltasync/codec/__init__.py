@@ -6,6 +6,8 @@ Built-in codecs:
 - ``compact-abs``: like ``compact`` but values stand alone (no base needed).
 - ``compact-exp``: like ``compact`` with positions coded among the elements of the same
   base exponent: fewer bytes for an O(numel) pass on both sides (for slow links).
+- ``exp-rice``: ``compact-exp``'s positions and steps Rice-coded per exponent class: fewer
+  bytes still, at the same O(numel) cost (for slow links).
 - ``raw``: int32 indices + plain values, the interoperable baseline.
 - ``dense``: the whole tensor, chosen automatically for densely changed tensors.
 
@@ -30,6 +32,7 @@ _REGISTRY: dict[str, str] = {
     "compact": "deltasync.codec.compact:CompactCodec",
     "compact-abs": "deltasync.codec.compact:CompactAbsCodec",
     "compact-exp": "deltasync.codec.ranked:CompactExpCodec",
+    "exp-rice": "deltasync.codec.rice:ExpRiceCodec",
     "raw": "deltasync.codec.raw:RawCodec",
     "dense": "deltasync.codec.dense:DenseCodec",
 }

@@ -17,6 +17,8 @@ kernels do the same work in one or two loops per stream, compiled once by numba
   byte the streams ``docs/FORMAT.md`` specifies (tests hold them to its formulas);
 - :func:`exponent_ranks` and :func:`exponent_positions`: ``compact-exp``'s ranks
   and their inverse, two passes over a tensor instead of sorting it;
+- :func:`class_starts`, :func:`rice_rank_stream` / :func:`rice_ranks` and :func:`rice_word_stream` /
+  :func:`rice_words`: ``exp-rice``'s class table and its two Rice-coded bit streams, written and read;
 - :func:`take`: a CPU replica's read of its weights at the changed indices (the
   base a ``compact`` value is relative to), every index checked.
 
@@ -37,7 +39,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["add_steps", "exponent_positions", "exponent_ranks", "gap_indices", "gap_payload", "step_payload", "take"]
+__all__ = [
+    "add_steps", "class_starts", "exponent_positions", "exponent_ranks", "gap_indices", "gap_payload", "rice_rank_stream",
+    "rice_ranks", "rice_word_stream", "rice_words", "step_payload", "take",
+]
 
 
 def _kernels() -> Any:
@@ -81,31 +86,38 @@ def add_steps(raw: np.ndarray, base: np.ndarray) -> np.ndarray:
     return out
 
 
-def exponent_ranks(bits: np.ndarray, indices: np.ndarray) -> np.ndarray:
+def exponent_ranks(bits: np.ndarray, indices: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
     """The rank of each of ``indices`` (sorted, unique, in range) in the exponent order of ``bits``.
 
     The exponent order lists a tensor's elements by the exponent byte of their bit
     patterns, then by index (``docs/FORMAT.md``, ``compact-exp``); one counting pass
-    and one walk over ``bits``, no sort.
+    (or ``starts``, :func:`class_starts` of ``bits``, where the caller has it) and one
+    walk over ``bits``, no sort.
     """
     bits = np.ascontiguousarray(bits)
+    starts = class_starts(bits) if starts is None else starts
     out = np.empty(indices.size, dtype=np.int64)
-    if _kernels().exponent_ranks(bits, _mantissa(bits), np.ascontiguousarray(indices, dtype=np.int64), out):
+    if _kernels().exponent_ranks(bits, _mantissa(bits), starts, np.ascontiguousarray(indices, dtype=np.int64), out):
         raise ValueError("exponent_ranks: indices must be sorted, unique and within the tensor")
     return out
 
 
-def exponent_positions(bits: np.ndarray, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def exponent_positions(
+    bits: np.ndarray, ranks: np.ndarray, starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Inverse of :func:`exponent_ranks` for sorted ``ranks`` below ``bits.size``.
+
+    ``starts`` is :func:`class_starts` of ``bits`` where the caller has it already (it saves a pass).
 
     Returns:
         `(indices, slots)` or ``None``: the elements of those ranks in index order, and
             where each of them sits in ``ranks``; ``None`` if a rank is out of range.
     """
     bits = np.ascontiguousarray(bits)
+    starts = class_starts(bits) if starts is None else starts
     indices = np.empty(ranks.size, dtype=np.int64)
     slots = np.empty(ranks.size, dtype=np.int64)
-    if _kernels().exponent_positions(bits, _mantissa(bits), ranks, indices, slots):
+    if _kernels().exponent_positions(bits, _mantissa(bits), starts, ranks, indices, slots):
         return None
     return indices, slots
 
@@ -143,3 +155,44 @@ def step_payload(new: np.ndarray, base: np.ndarray) -> np.ndarray:
     out = np.empty(base.size * width, dtype=np.uint8)
     _kernels().step_planes(np.ascontiguousarray(new), np.ascontiguousarray(base), width, _mantissa(base), out)
     return out
+
+
+def class_starts(bits: np.ndarray) -> np.ndarray:
+    """Per exponent byte ``c`` of ``bits`` (2- or 4-byte patterns), its first rank in the exponent order: 257
+    int64, the last the element count, so class ``c`` holds ``starts[c + 1] - starts[c]`` elements."""
+    bits = np.ascontiguousarray(bits)
+    mask = (1 << (8 * bits.dtype.itemsize)) - 1
+    return _kernels().class_starts(bits, mask, _mantissa(bits))
+
+
+def rice_rank_stream(ranks: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The ``exp-rice`` index stream of sorted unique ``ranks`` (below ``starts[256]``), by class."""
+    ranks = np.ascontiguousarray(ranks, dtype=np.int64)
+    if ranks.size and (ranks[0] < 0 or ranks[-1] >= starts[256] or np.any(ranks[1:] <= ranks[:-1])):
+        raise ValueError("rice_rank_stream: ranks must be sorted, unique and below the element count")
+    return _kernels().rice_rank_stream(ranks, np.ascontiguousarray(starts, dtype=np.int64))
+
+
+def rice_ranks(raw: np.ndarray, starts: np.ndarray, nnz: int) -> tuple[np.ndarray, np.ndarray] | int:
+    """Inverse of :func:`rice_rank_stream`: ``(ranks, changes per class)``, or the kernel's status (non-zero)
+    when the stream is malformed or does not list exactly ``nnz`` changes."""
+    ranks = np.empty(nnz, dtype=np.int64)
+    changed = np.zeros(256, dtype=np.int64)
+    status = _kernels().rice_ranks(raw, np.ascontiguousarray(starts, dtype=np.int64), nnz, ranks, changed)
+    return (ranks, changed) if status == 0 else int(status)
+
+
+def rice_word_stream(words: np.ndarray, changed: np.ndarray, width: int) -> np.ndarray:
+    """The ``exp-rice`` value stream of ``words`` (int64 below ``2**width``, in rank order); ``changed[c]`` of
+    them belong to class ``c``."""
+    words = np.ascontiguousarray(words, dtype=np.int64)
+    if int(changed.sum()) != words.size:
+        raise ValueError("rice_word_stream: the class counts do not add up to the words")
+    return _kernels().rice_word_stream(words, np.ascontiguousarray(changed, dtype=np.int64), width)
+
+
+def rice_words(raw: np.ndarray, changed: np.ndarray, width: int) -> np.ndarray | int:
+    """Inverse of :func:`rice_word_stream`: the int64 words, or the kernel's status (non-zero)."""
+    out = np.empty(int(changed.sum()), dtype=np.int64)
+    status = _kernels().rice_words(raw, np.ascontiguousarray(changed, dtype=np.int64), width, out)
+    return out if status == 0 else int(status)
