@@ -9,7 +9,8 @@ For every optimizer step it measures, on the same change set:
   fp32 masters (``t_diff``) and for a trainer that already holds bf16 weights
   (``t_diff_bf16``: the very tensors ``torch.ne`` sees, no cast);
 - decode (+ validate) and in-place apply time per codec;
-- a bit-exact check of a replica that applied every delta;
+- a bit-exact check of a replica that applied every delta (in the default codec), and that every
+  other codec's delta of the step decodes to the same new weights;
 - the entropy floors of the change set (``_entropy.py``): positions at random
   with the tensor's density plus the steps' order-0 entropy (``floor iid``), and
   the same conditioned on each element's base exponent, which the receiver
@@ -67,9 +68,9 @@ from deltasync.format import decode, encode_delta  # noqa: E402
 from deltasync.models import chat_batches, load_smollm2, train_step  # noqa: E402
 from deltasync.tensors import bits_view, published_tensors  # noqa: E402
 
-# compact-exp codes positions per base exponent: an O(numel) pass per version on both sides (slow links).
-CODECS = ["raw", "compact-abs", "compact", "compact-exp"]
-PER_CHANGE = ["compact", "compact-exp"]  # bytes per changed element, per step
+# compact-exp and exp-rice code positions per base exponent: an O(numel) pass per version on both sides (slow links).
+CODECS = ["raw", "compact-abs", "compact", "compact-exp", "exp-rice"]
+PER_CHANGE = ["compact", "compact-exp", "exp-rice"]  # bytes per changed element, per step
 DEFAULT_CODEC = "compact"
 REPEATS = 3  # runs per encode / decode timing; the minimum is kept
 DETECT_REPEATS = 5  # rounds of the detection timings (ne, cast + ne, diff fp32, diff bf16), taken in turns
@@ -122,14 +123,32 @@ def measure_step(model: torch.nn.Module, snapshot: Snapshot, applier: TorchModul
         files[codec] = (header, patches)
         row["codecs"][codec] = {"bytes": len(data), "t_encode": t_enc, "t_decode": t_dec}
     header, patches = files[DEFAULT_CODEC]
+    agree = all(same_weights(applier, patches, other) for _, other in files.values())
     applier.validate(header)
     row["t_apply"], _ = timed(lambda: applier.apply(patches))
     row["entropy"] = entropy_floors(changes, snapshot)  # against the receiver's base: before advancing
     snapshot.advance(changes)
-    row["exact"] = all(
+    row["exact"] = agree and all(
         torch.equal(bits_view(t), bits_view(current[n])) for n, t in applier.state().items()
     )
     return row
+
+
+def same_weights(applier: TorchModuleApplier, patches: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two decoded deltas of one step give the same new weights (one may carry a tensor whole, the
+    other as changes)."""
+    if patches.keys() != other.keys():
+        return False
+    state = applier.state()
+
+    def new_bits(name: str, patch: Any) -> torch.Tensor:
+        if patch.indices is None:
+            return torch.as_tensor(patch.values).reshape(-1)
+        out = bits_view(state[name]).reshape(-1).clone()
+        out[torch.as_tensor(patch.indices)] = torch.as_tensor(patch.values)
+        return out
+
+    return all(torch.equal(new_bits(n, patches[n]), new_bits(n, other[n])) for n in patches)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

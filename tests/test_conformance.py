@@ -89,6 +89,8 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
             for key in ("sum", "blake3"):
                 if key in entry.params:
                     seen["value digest", header.format_version, key] += 1
+            if entry.codec == "exp-rice":
+                seen["exp-rice streams", entry.params.get("iz", 0), entry.params.get("vz", 0)] += 1
             if "iw" in entry.params:
                 seen["gap bytes", entry.params["iw"], "escapes" if entry.params["big"] else "plain"] += 1
             if entry.rows is not None:
@@ -106,6 +108,7 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
         ("format", 1), ("format", 2), ("format", 3), ("entry digest", 1, "sha256"), ("entry digest", 2, "blake3"),
         ("entry digest", 3, "blake3"), ("value digest", 1, "sum"), ("value digest", 2, "sum"),
         ("value digest", 3, "blake3"),
+        *[("exp-rice streams", iz, vz) for iz in (0, 1) for vz in (0, 1)],
     ]:
         assert seen[need if len(need) > 1 else need[0]], f"no golden file has {need}"
     manifests = {p.parent.parent.name: json.loads(p.read_text()) for p in ROOT.glob("golden/*/store/manifest.json")}

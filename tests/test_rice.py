@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltasync.codec import get_codec
+from deltasync.codec import Encoded, get_codec, kernels
+from deltasync.codec.compact import sign_values
 from deltasync.diff import TensorChange
 from deltasync.errors import CodecError, IntegrityError
 from deltasync.tensors import TensorSpec
@@ -195,20 +196,84 @@ def unsigned(a: np.ndarray) -> list[int]:
     return [int(v) for v in a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)]
 
 
+def rice_encoded(change: TensorChange) -> Encoded:
+    """``change`` with both streams Rice-coded, whichever is smaller (the codec may pick zstd for either)."""
+    base = change.whole_base.numpy()
+    width = base.dtype.itemsize
+    starts = kernels.class_starts(base)
+    order = np.argsort(kernels.exponent_ranks(base, change.indices.numpy(), starts), kind="stable")
+    ranks = np.sort(kernels.exponent_ranks(base, change.indices.numpy(), starts))
+    mask = (1 << 8 * width) - 1
+    steps = (change.values.numpy().astype(np.int64) - change.base.numpy().astype(np.int64))[order] & mask
+    steps = np.where(steps >> (8 * width - 1), steps - mask - 1, steps)  # signed
+    words = (((steps << 1) ^ (steps >> 63)) - 1) & mask
+    params: dict[str, Any] = {}
+    sign_values(params, change.values.numpy())
+    return Encoded(
+        parts={
+            "idx": torch.from_numpy(kernels.rice_rank_stream(ranks, starts)),
+            "val": torch.from_numpy(kernels.rice_word_stream(words, np.diff(np.searchsorted(ranks, starts)), 8 * width)),
+        },
+        params=params,
+    )
+
+
+def decoded_by_the_codec(encoded: Encoded, change: TensorChange, base: np.ndarray) -> dict[int, int]:
+    got = CODEC.decode(encoded.parts, encoded.params, change.spec, change.nnz, lambda n, at: base[at])
+    return dict(zip(got.indices.tolist(), unsigned(got.values)))
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_streams_are_the_texts_bit_for_bit_and_read_back_by_it(case: tuple[str, np.ndarray, np.ndarray]) -> None:
     dtype, base, target = case
     width = WIDTHS[dtype][0]
     change = change_of(dtype, base, target)
-    encoded = CODEC.encode(change, level=1)
     new = {int(i): v for i, v in zip(change.indices, unsigned(target[change.indices.numpy()]))}
     idx, val = write(unsigned(base), new, width)
-    assert bytes(encoded.parts["idx"].numpy()) == idx
-    assert bytes(encoded.parts["val"].numpy()) == val
+    rice = rice_encoded(change)
+    assert bytes(rice.parts["idx"].numpy()) == idx
+    assert bytes(rice.parts["val"].numpy()) == val
     assert read(unsigned(base), idx, val, width) == new
-    decoded = CODEC.decode(encoded.parts, encoded.params, change.spec, change.nnz, lambda n, at: base[at])
-    assert decoded.indices.tolist() == list(new) and unsigned(decoded.values) == list(new.values())
+    assert decoded_by_the_codec(rice, change, base) == new
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_each_stream_is_the_smaller_of_rice_and_zstd(case: tuple[str, np.ndarray, np.ndarray]) -> None:
+    """Per tensor and stream the writer keeps whichever coding is smaller, and says so in ``iz`` / ``vz``."""
+    dtype, base, target = case
+    change = change_of(dtype, base, target)
+    encoded, rice, zstd = CODEC.encode(change, level=1), rice_encoded(change), get_codec("compact-exp").encode(
+        change, level=1)
+    for part, flag in (("idx", "iz"), ("val", "vz")):
+        sizes = {"rice": rice.parts[part].numel(), "zstd": zstd.parts[part].numel()}
+        chosen = "zstd" if encoded.params.get(flag) else "rice"
+        assert torch.equal(encoded.parts[part], (zstd if chosen == "zstd" else rice).parts[part])
+        assert sizes[chosen] == min(sizes.values()) and (chosen == "rice" or sizes["zstd"] < sizes["rice"])
+    if encoded.params.get("iz"):
+        assert {k: encoded.params[k] for k in ("iw", "big")} == {k: zstd.params[k] for k in ("iw", "big")}
+    assert decoded_by_the_codec(encoded, change, base) == {
+        int(i): v for i, v in zip(change.indices, unsigned(target[change.indices.numpy()]))}
+
+
+def test_steps_of_one_size_per_class_go_to_zstd() -> None:
+    """A first optimizer step moves every weight of a class by the same number of units: zstd codes the
+    repeats in fewer bytes than any Rice parameter; both flags decode."""
+    base = np.repeat(np.array([0x3F00, 0x3A00], dtype=np.int16), 4096) + np.tile(np.arange(64, dtype=np.int16), 128)
+    target = base + np.where(np.arange(8192) % 2, 37, -37).astype(np.int16)
+    change = change_of("BF16", base, target)
+    encoded = CODEC.encode(change, level=1)
+    assert encoded.params.get("vz") == 1
+    assert decoded_by_the_codec(encoded, change, base) == dict(zip(range(8192), unsigned(target)))
+
+
+@pytest.mark.parametrize("flag", ["iz", "vz"])
+@pytest.mark.parametrize("value", [2, -1, "1", True, 1.0, None])
+def test_a_stream_flag_other_than_0_or_1_is_a_codec_error(flag: str, value: Any) -> None:
+    encoded, change, base = _encoded()
+    with pytest.raises(CodecError, match=f"param '{flag}' must be 0 or 1"):
+        CODEC.decode(encoded.parts, {**encoded.params, flag: value}, change.spec, change.nnz, lambda n, at: base[at])
 
 
 def test_every_class_field_occurs() -> None:
@@ -222,7 +287,7 @@ def test_every_class_field_occurs() -> None:
     target[192:256] += np.array([0, 1, -1, 2, -2, 5, -9, 30] * 8, dtype=np.int16)  # 0x78: most, varied
     target[256:320:5] += 1000  # 0x76: a few, one wide step
     change = change_of("BF16", base, target)
-    encoded = CODEC.encode(change, level=1)
+    encoded = rice_encoded(change)
     fields: list[Any] = []
     new = read(unsigned(base), bytes(encoded.parts["idx"].numpy()), bytes(encoded.parts["val"].numpy()), 2, fields)
     assert fields == [
@@ -246,7 +311,7 @@ def test_a_pair_that_changes_nothing_is_accepted() -> None:
     values = np.r_[target[change.indices.numpy()], base[999]]  # element 999 "changes" to what it holds
     same = TensorChange(change.spec, torch.from_numpy(indices), torch.from_numpy(values),
                         torch.from_numpy(base[indices]), indices.size, change.whole_base)
-    encoded = CODEC.encode(same, level=1)
+    encoded = rice_encoded(same)
     decoded = CODEC.decode(encoded.parts, encoded.params, same.spec, same.nnz, lambda n, at: base[at])
     np.testing.assert_array_equal(decoded.indices, indices)
     np.testing.assert_array_equal(decoded.values, values)
@@ -259,7 +324,7 @@ def _encoded() -> tuple[Any, TensorChange, np.ndarray]:
     hit = rng.choice(4000, 300, replace=False)
     target[hit] += rng.integers(1, 40, 300).astype(np.int16)
     change = change_of("BF16", base, target)
-    return CODEC.encode(change, level=1), change, base
+    return rice_encoded(change), change, base
 
 
 @pytest.mark.parametrize(
@@ -306,3 +371,17 @@ def test_it_needs_the_receivers_values() -> None:
     encoded, change, _ = _encoded()
     with pytest.raises(CodecError, match="needs the receiver's current values"):
         CODEC.decode(encoded.parts, encoded.params, change.spec, change.nnz, None)
+
+
+def test_the_worked_example_of_the_text() -> None:
+    """docs/FORMAT.md, ``exp-rice``: the streams of its worked example, byte for byte."""
+    base = np.array([0x3F80, 0x3F81, 0x3F00, 0x3F82, 0x3F83, 0x3F01, 0x3F84, 0x3F85], dtype=np.uint16).view(np.int16)
+    target = base.copy()
+    target[[2, 0, 3, 4, 7]] += np.array([1, -1, 1, 1, 3], dtype=np.int16)
+    change = change_of("BF16", base, target)
+    encoded = CODEC.encode(change, level=1)
+    assert bytes(encoded.parts["idx"].numpy()) == bytes.fromhex("021a6801")
+    assert bytes(encoded.parts["val"].numpy()) == bytes.fromhex("4103d005")
+    assert "iz" not in encoded.params and "vz" not in encoded.params
+    assert read(unsigned(base), bytes.fromhex("021a6801"), bytes.fromhex("4103d005"), 2) == dict(
+        zip([0, 2, 3, 4, 7], unsigned(target[[0, 2, 3, 4, 7]])))
