@@ -356,15 +356,16 @@ The 40 versions of one SmolLM2-135M run (`benchmarks/payload.py`, AdamW, one ver
 codec's bytes per changed element next to two floors computed on the same change sets: *i.i.d.* (each position
 drawn with its tensor's density, plus the entropy of the value steps) and *exponent-conditioned* (the same, given
 the bf16 exponent that the receiver already holds at every position). `compact`, the default, reads the receiver's
-weights only at the changed positions, so the i.i.d. floor is the one it can approach; `compact-exp` conditions
-on every element's exponent, an O(parameters) pass on both sides per version, which is why it is opt-in for slow
-links."""),
+weights only at the changed positions, so the i.i.d. floor is the one it can approach; `compact-exp` and
+`exp-rice` condition on every element's exponent, an O(parameters) pass on both sides per version, which is why
+they are opt-in for slow links. `exp-rice` codes each exponent class with its own Rice parameter (or a stream in
+zstd where that is smaller), which is what brings it close to the exponent-conditioned floor."""),
     ("code", '''\
 run = load("payload")
 steps = [r["version"] for r in run["rows"]]
 fig, ax = plt.subplots(figsize=(8, 4))
 for key, color in (("raw", "tab:orange"), ("compact-abs", "tab:cyan"), ("compact", "tab:blue"),
-                   ("compact-exp", "tab:green")):
+                   ("compact-exp", "tab:green"), ("exp-rice", "tab:red")):
     per = [r["codecs"][key]["bytes"] / r["nnz"] for r in run["rows"] if key in r["codecs"]]
     if per:
         ax.plot(steps[: len(per)], per, "o-", ms=3, color=color, label=key)
@@ -381,7 +382,9 @@ fig.tight_layout()
 fig.savefig(FIGURES / "bytes_vs_floor.png", dpi=130, bbox_inches="tight")
 plt.show()
 late = run["rows"][-11:]  # steps 30-40: steady state
-for key in ("compact", "compact-exp"):
+for key in ("compact", "compact-exp", "exp-rice"):
+    if not all(key in r["codecs"] for r in run["rows"]):
+        continue
     first = np.median([r["codecs"][key]["bytes"] / r["nnz"] for r in run["rows"][:8] if key in r["codecs"]])
     last = np.median([r["codecs"][key]["bytes"] / r["nnz"] for r in late if key in r["codecs"]])
     span = f"{late[0]['version']}-{late[-1]['version']}"

@@ -201,7 +201,7 @@ class TestRefusals:
 
     def test_unknown_codec(self) -> None:
         data, _, _ = make_delta()
-        with pytest.raises(CodecError, match="unknown codec"):
+        with pytest.raises(CodecError, match="unknown codec 'zip'.*upgrade deltasync here"):
             decode(rebuild(data, edit_entry("norm.weight", codec="zip")), base=lambda n, i: np.zeros(i.size, np.int16))
 
     @pytest.mark.parametrize("bad", [[104], [-1], [5, 5], [9, 4]])

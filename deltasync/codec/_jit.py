@@ -196,8 +196,14 @@ def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int
 # a Rice code of ``v`` with parameter ``k`` is ``v >> k`` one bits, a zero bit, then the ``k`` low bits of ``v``,
 # least significant first.
 TRUNCATED, BAD_FIELD, BAD_COUNT, TRAILING = 3, 4, 5, 6
-"""More statuses of the ``exp-rice`` decoders: a code runs past the stream, a class field or a code is out of
-range, the changes do not number ``nnz``, bits or bytes follow the last code."""
+"""More statuses of the ``exp-rice`` decoders, and what each says of the stream:"""
+RICE_PROBLEMS = {
+    TRUNCATED: "a code runs past the end of the stream",
+    BAD_FIELD: "a class field or a code is out of range",
+    BAD_COUNT: "it does not list as many changes as the entry's nnz",
+    OUT_OF_RANGE: "a position lies past the end of its exponent class",
+    TRAILING: "bytes or non-zero bits follow its last code",
+}
 
 
 @_jit

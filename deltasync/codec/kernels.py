@@ -173,13 +173,13 @@ def rice_rank_stream(ranks: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return _kernels().rice_rank_stream(ranks, np.ascontiguousarray(starts, dtype=np.int64))
 
 
-def rice_ranks(raw: np.ndarray, starts: np.ndarray, nnz: int) -> tuple[np.ndarray, np.ndarray] | int:
-    """Inverse of :func:`rice_rank_stream`: ``(ranks, changes per class)``, or the kernel's status (non-zero)
-    when the stream is malformed or does not list exactly ``nnz`` changes."""
+def rice_ranks(raw: np.ndarray, starts: np.ndarray, nnz: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """Inverse of :func:`rice_rank_stream`: ``(ranks, changes per class)``, or what is wrong with the stream
+    (malformed, or not exactly ``nnz`` changes)."""
     ranks = np.empty(nnz, dtype=np.int64)
     changed = np.zeros(256, dtype=np.int64)
     status = _kernels().rice_ranks(raw, np.ascontiguousarray(starts, dtype=np.int64), nnz, ranks, changed)
-    return (ranks, changed) if status == 0 else int(status)
+    return (ranks, changed) if status == 0 else _kernels().RICE_PROBLEMS[status]
 
 
 def rice_word_stream(words: np.ndarray, changed: np.ndarray, width: int) -> np.ndarray:
@@ -191,8 +191,8 @@ def rice_word_stream(words: np.ndarray, changed: np.ndarray, width: int) -> np.n
     return _kernels().rice_word_stream(words, np.ascontiguousarray(changed, dtype=np.int64), width)
 
 
-def rice_words(raw: np.ndarray, changed: np.ndarray, width: int) -> np.ndarray | int:
-    """Inverse of :func:`rice_word_stream`: the int64 words, or the kernel's status (non-zero)."""
+def rice_words(raw: np.ndarray, changed: np.ndarray, width: int) -> np.ndarray | str:
+    """Inverse of :func:`rice_word_stream`: the int64 words, or what is wrong with the stream."""
     out = np.empty(int(changed.sum()), dtype=np.int64)
     status = _kernels().rice_words(raw, np.ascontiguousarray(changed, dtype=np.int64), width, out)
-    return out if status == 0 else int(status)
+    return out if status == 0 else _kernels().RICE_PROBLEMS[status]

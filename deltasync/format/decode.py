@@ -142,7 +142,9 @@ def decode_entries(
         try:
             codecs[name] = get_codec(entry.codec)
         except ValueError as exc:
-            raise CodecError(f"{name}: {exc}", name=name) from None
+            raise CodecError(
+                f"{name}: {exc}: a newer deltasync may have written it; upgrade deltasync here", name=name
+            ) from None
 
     for name in wanted:  # a stream the codec does not read would be data two readers see differently
         streams = codecs[name].streams
