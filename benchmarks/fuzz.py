@@ -84,7 +84,7 @@ def delta_seeds() -> tuple[list[bytes], TorchModuleApplier]:
         weights["head.weight"].view(-1)[::97] += 1
         weights["layers.0.norm.weight"].add_(0.5)  # every element: the dense codec
     changes = diff(published, weights)
-    for codec in ("compact", "compact-abs", "raw"):
+    for codec in ("compact", "compact-abs", "compact-exp", "exp-rice", "raw"):
         seeds.append(encode_delta(changes, version=1, base_version=0, codec=codec))
     seeds += [p.read_bytes() for p in sorted(GOLDEN.glob("*.safetensors"))]
     return seeds, applier

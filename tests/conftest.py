@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +15,13 @@ from typing import Any
 import pytest
 
 from deltasync.stores import MemoryStore, Store, open_store
+
+# vLLM names a Unix socket in the temporary directory for every engine's IPC and leaves it there when the
+# engine stops: thousands over a few runs. Engines started by the tests (in process or as servers, which
+# inherit the environment) put theirs in a directory of this run's, removed when the run ends.
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = _IPC_DIR = tempfile.mkdtemp(prefix="deltasync-tests-ipc-")
+    atexit.register(shutil.rmtree, _IPC_DIR, ignore_errors=True)
 
 # Backends in the conformance suite; "s3" and "hf" run against real loopback servers
 # (tests/servers/<name>.py exposes serve() -> context manager with store_url/store_options).
