@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -532,6 +533,19 @@ class TestHostileJson:
         header = json.dumps({"__metadata__": meta}).encode()  # "Infinity": Python's json would read it back
         with pytest.raises(DeltaFormatError, match="Infinity, which is not JSON"):
             read_header(struct.pack("<Q", len(header)) + header)
+
+    @pytest.mark.parametrize("far", [2**31, 2**40 - 1])  # 2**40 and above: refused as a version
+    def test_a_version_far_past_the_others(self, far: int) -> None:
+        """Versions 0, 1, 2 and 2**31: refused as a gap, named by its first missing versions, without building
+        the range between them (that took 23 GB and the OOM killer)."""
+        seed = json.loads((Path(__file__).parent / "golden" / "manifest_v1.json").read_text())
+        versions = seed["versions"]
+        assert [v["version"] for v in versions[:3]] == [0, 1, 2]
+        gap = {**versions[1], "version": far}
+        gap.pop("anchor", None)
+        manifest = {**seed, "versions": [*versions[:3], gap], "latest": far}
+        with pytest.raises(ManifestError, match=r"skips versions \[3, 4, 5, 6, 7\] between v0 and v" + str(far)):
+            Manifest.from_bytes(json.dumps(manifest).encode())
 
     def test_ack_is_skipped_by_status(self, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
         trainer = Trainer()
