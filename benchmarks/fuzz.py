@@ -25,6 +25,7 @@ and error type go to ``benchmarks/results/fuzz.json``.
 
     python benchmarks/fuzz.py                    # 100000 inputs per target
     python benchmarks/fuzz.py --iterations 2000 --seed 7
+    python benchmarks/fuzz.py --memory-gb 0      # no address-space limit (default 8 GiB)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import copy
 import hashlib
 import json
 import random
+import resource
 import struct
 import sys
 import time
@@ -371,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--output", default="fuzz", help="results/<name>.json")
+    parser.add_argument("--memory-gb", type=float, default=8.0,
+                        help="address space allowed (default 8): an input that needs more is an escape (0: no limit)")
     args = parser.parse_args(argv)
+    if args.memory_gb:  # a MemoryError is caught and saved like any other escape; the kernel's OOM killer is not
+        limit = int(args.memory_gb * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     torch.set_num_threads(1)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 1000))  # the interpreter's default: what users run
     file_seeds, applier = delta_seeds()

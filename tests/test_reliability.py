@@ -508,7 +508,7 @@ class TestLostAcknowledgement:
 
 
 class TestHostileJson:
-    """What benchmarks/fuzz.py found: deep nesting and non-finite numbers are typed refusals."""
+    """What benchmarks/fuzz.py found: deep nesting, non-finite numbers and far-apart versions are typed refusals."""
 
     DEEP = b"[" * 100_000 + b"]" * 100_000
 
