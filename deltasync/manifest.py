@@ -16,6 +16,7 @@ defaults. ``tests/golden/manifest_v1.json`` keeps old manifests readable.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -231,7 +232,7 @@ class Manifest:
         if numbers != sorted(set(numbers)):
             raise ManifestError("manifest versions must be strictly increasing")
         if numbers and numbers[-1] - numbers[0] + 1 != len(numbers):  # strictly increasing: no range built
-            missing = _first_missing(numbers, 5)
+            missing = list(itertools.islice((n for a, b in zip(numbers, numbers[1:]) for n in range(a + 1, b)), 5))
             raise ManifestError(
                 f"manifest skips versions {missing[:5]} between v{numbers[0]} and v{numbers[-1]}: versions are "
                 "consecutive (each one is a delta from the one before)",
@@ -348,17 +349,6 @@ def _int(value: Any, what: str) -> int:
     if not _is_int(value, 0, MAX_COUNT):
         raise ManifestError(f"manifest field {what!r} must be a non-negative integer below 2^53, got {value!r:.40}")
     return value  # type: ignore[no-any-return]
-
-
-def _first_missing(numbers: list[int], count: int) -> list[int]:
-    """The first ``count`` integers missing between the first and last of strictly increasing ``numbers``,
-    without building the range (a hostile manifest may list version 0 and version 2**31)."""
-    missing: list[int] = []
-    for a, b in zip(numbers, numbers[1:]):
-        missing.extend(range(a + 1, min(b, a + 1 + count - len(missing))))
-        if len(missing) >= count:
-            break
-    return missing
 
 
 def _check_time(value: Any, what: str) -> None:
