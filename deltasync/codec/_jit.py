@@ -283,22 +283,19 @@ def _listing(ranks: Any, lo: int, hi: int, start: int, size: int, unchanged: boo
 def rice_rank_stream(ranks: Any, starts: Any) -> Any:
     modes = np.zeros(256, np.int64)
     ks = np.zeros(256, np.int64)
+    ends = np.searchsorted(ranks, starts)  # class c's changes are ranks[ends[c]:ends[c + 1]]
     gaps = np.empty(ranks.size + 2, np.int64)
-    total, j = np.int64(0), 0
+    total = np.int64(0)
     for c in range(256):  # pass 1: each class's field and the size of its codes
-        size = starts[c + 1] - starts[c]
+        size, changed = starts[c + 1] - starts[c], ends[c + 1] - ends[c]
         if size == 0:
             continue
-        lo = j
-        while j < ranks.size and ranks[j] < starts[c + 1]:
-            j += 1
         total += 8
-        changed = j - lo
         if changed == 0 or changed == size:
             modes[c] = 0 if changed == 0 else 1
             continue
         unchanged = 2 * changed > size  # list the fewer
-        m = _listing(ranks, lo, j, starts[c], size, unchanged, gaps)
+        m = _listing(ranks, ends[c], ends[c + 1], starts[c], size, unchanged, gaps)
         top = 0
         for i in range(m):
             top = max(top, gaps[i])
@@ -306,17 +303,13 @@ def rice_rank_stream(ranks: Any, starts: Any) -> Any:
         modes[c], ks[c] = 3 if unchanged else 2, k
         total += bits
     out = np.zeros((total + 7) >> 3, np.uint8)
-    bit, j = np.int64(0), 0
+    bit = np.int64(0)
     for c in range(256):  # pass 2: write them
-        size = starts[c + 1] - starts[c]
-        if size == 0:
+        if starts[c + 1] == starts[c]:
             continue
-        lo = j
-        while j < ranks.size and ranks[j] < starts[c + 1]:
-            j += 1
         bit = _put(out, bit, modes[c] | ks[c] << 2, 8)
         if modes[c] >= 2:
-            m = _listing(ranks, lo, j, starts[c], size, modes[c] == 3, gaps)
+            m = _listing(ranks, ends[c], ends[c + 1], starts[c], starts[c + 1] - starts[c], modes[c] == 3, gaps)
             for i in range(m):
                 bit = _put_rice(out, bit, gaps[i], ks[c])
     return out

@@ -46,7 +46,7 @@ from .compact import (
 )
 from .kernels import exponent_positions, exponent_ranks
 
-__all__ = ["CompactExpCodec"]
+__all__ = ["CompactExpCodec", "ranked_steps", "rebuild", "whole_base"]
 
 
 class CompactExpCodec(CompactCodec):
@@ -59,16 +59,9 @@ class CompactExpCodec(CompactCodec):
         return not change.dense and change.whole_base is not None
 
     def encode(self, change: TensorChange, *, level: int) -> Encoded:
-        assert change.indices is not None and change.base is not None and change.whole_base is not None
-        base_all = to_numpy(change.whole_base).reshape(-1)
-        indices = to_numpy(change.indices)
-        ranks = exponent_ranks(base_all, indices)
-        by_rank = ranks.argsort(kind="stable")
-        blob, params = encode_indices(ranks[by_rank], level)
-        new, base = to_numpy(change.values), to_numpy(change.base)
-        unsigned = UNSIGNED[new.dtype.itemsize]
-        steps = zigzag((new.view(unsigned) - base.view(unsigned)).view(new.dtype)[by_rank])
-        sign_values(params, new)  # in index order, as compact's
+        ranks, steps = ranked_steps(change)
+        blob, params = encode_indices(ranks, level)
+        sign_values(params, to_numpy(change.values))  # in index order, as compact's
         return Encoded(
             parts={"idx": torch.from_numpy(blob), "val": torch.from_numpy(compress(planes(steps), level))},
             params=params,
@@ -82,14 +75,40 @@ class CompactExpCodec(CompactCodec):
         ranks = decode_indices(idx_blob, params, spec, nnz)  # strictly increasing, below numel
         width = spec.torch_dtype.itemsize
         steps = unplanes(decompress(val_blob, nnz * width, f"{spec.name}::val"), nnz, UNSIGNED[width])
-        base_all = np.ascontiguousarray(base(spec.name, np.arange(spec.numel, dtype=np.int64)))
-        if base_all.shape != (spec.numel,) or base_all.dtype.itemsize != width:
-            raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
-        found = exponent_positions(base_all, ranks)
-        if found is None:  # unreachable for ranks below numel, which decode_indices proved
-            raise CodecError(f"{spec.name}: rank out of range [0, {spec.numel})", name=spec.name)
-        indices, slots = found
-        unsigned = UNSIGNED[width]
-        values = (base_all[indices].view(unsigned) + unzigzag(steps[slots]).view(unsigned)).view(SIGNED[width])
-        check_values(values, params, spec)
-        return Decoded(indices, values)
+        return rebuild(whole_base(base, spec), ranks, steps, params, spec)
+
+
+def ranked_steps(change: TensorChange, starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The changes' ranks in the exponent order of their whole base, ascending, and their zigzag steps
+    (unsigned words) in that order. ``starts``: :func:`~.kernels.class_starts` of the base, where known."""
+    assert change.indices is not None and change.base is not None and change.whole_base is not None
+    ranks = exponent_ranks(to_numpy(change.whole_base).reshape(-1), to_numpy(change.indices), starts)
+    by_rank = ranks.argsort(kind="stable")
+    new, base = to_numpy(change.values), to_numpy(change.base)
+    unsigned = UNSIGNED[new.dtype.itemsize]
+    return ranks[by_rank], zigzag((new.view(unsigned) - base.view(unsigned)).view(new.dtype)[by_rank])
+
+
+def whole_base(base: BaseLookup, spec: TensorSpec) -> np.ndarray:
+    """Every element of the receiver's tensor ``spec``, as bit patterns: what an exponent-ranked codec reads."""
+    base_all = np.ascontiguousarray(base(spec.name, np.arange(spec.numel, dtype=np.int64)))
+    if base_all.shape != (spec.numel,) or base_all.dtype.itemsize != spec.torch_dtype.itemsize:
+        raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
+    return base_all
+
+
+def rebuild(
+    base_all: np.ndarray, ranks: np.ndarray, steps: np.ndarray, params: Params, spec: TensorSpec,
+    starts: np.ndarray | None = None,
+) -> Decoded:
+    """The changes at sorted ``ranks`` (below ``spec.numel``) with zigzag ``steps`` in rank order, added to
+    ``base_all`` and checked against the value digest in ``params``."""
+    found = exponent_positions(base_all, ranks, starts)
+    if found is None:  # unreachable for ranks below numel, which the rank decoders prove
+        raise CodecError(f"{spec.name}: rank out of range [0, {spec.numel})", name=spec.name)
+    indices, slots = found
+    width = base_all.dtype.itemsize
+    unsigned = UNSIGNED[width]
+    values = (base_all[indices].view(unsigned) + unzigzag(steps[slots]).view(unsigned)).view(SIGNED[width])
+    check_values(values, params, spec)
+    return Decoded(indices, values)

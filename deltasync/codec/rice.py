@@ -44,53 +44,25 @@ from ..diff import TensorChange
 from ..errors import CodecError
 from ..tensors import TensorSpec
 from ._zstd import compress, decompress
-from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
-from .compact import (
-    SIGNED,
-    UNSIGNED,
-    check_values,
-    decode_indices,
-    encode_indices,
-    planes,
-    sign_values,
-    unplanes,
-    unzigzag,
-    zigzag,
-)
-from .kernels import (
-    class_starts,
-    exponent_positions,
-    exponent_ranks,
-    rice_rank_stream,
-    rice_ranks,
-    rice_word_stream,
-    rice_words,
-)
+from .base import BaseLookup, Decoded, Encoded, Params, Parts, check_part, to_numpy
+from .compact import UNSIGNED, decode_indices, encode_indices, planes, sign_values, unplanes
+from .kernels import class_starts, rice_rank_stream, rice_ranks, rice_word_stream, rice_words
+from .ranked import CompactExpCodec, ranked_steps, rebuild, whole_base
 
 __all__ = ["ExpRiceCodec"]
 
 
-class ExpRiceCodec(Codec):
+class ExpRiceCodec(CompactExpCodec):
     """Per exponent class of the base, Rice-coded position gaps and value steps; per tensor and stream, the
     ``compact-exp`` zstd stream instead where that is smaller."""
 
     name = "exp-rice"
-    needs_base = True
-
-    def supports(self, change: TensorChange) -> bool:
-        return not change.dense and change.whole_base is not None
 
     def encode(self, change: TensorChange, *, level: int) -> Encoded:
-        assert change.indices is not None and change.base is not None and change.whole_base is not None
-        base_all = to_numpy(change.whole_base).reshape(-1)
-        starts = class_starts(base_all)
-        ranks = exponent_ranks(base_all, to_numpy(change.indices), starts)
-        by_rank = ranks.argsort(kind="stable")
-        ranks = ranks[by_rank]
-        new, base = to_numpy(change.values), to_numpy(change.base)
-        width = new.dtype.itemsize
-        unsigned = UNSIGNED[width]
-        steps = zigzag((new.view(unsigned) - base.view(unsigned)).view(new.dtype)[by_rank]).view(unsigned)
+        assert change.whole_base is not None
+        starts = class_starts(to_numpy(change.whole_base).reshape(-1))
+        ranks, steps = ranked_steps(change, starts)
+        width = steps.dtype.itemsize
         params: dict[str, object] = {}
         idx: np.ndarray = rice_rank_stream(ranks, starts)
         zstd_idx, gap_params = encode_indices(ranks, level)
@@ -106,7 +78,7 @@ class ExpRiceCodec(Codec):
         if zstd_val.size < val.size:
             val = zstd_val
             params["vz"] = 1
-        sign_values(params, new)  # in index order, as compact's
+        sign_values(params, to_numpy(change.values))  # in index order, as compact's
         return Encoded(parts={"idx": torch.from_numpy(idx), "val": torch.from_numpy(val)}, params=params)
 
     def decode(self, parts: Parts, params: Params, spec: TensorSpec, nnz: int, base: BaseLookup | None) -> Decoded:
@@ -116,10 +88,7 @@ class ExpRiceCodec(Codec):
         idx_raw = np.ascontiguousarray(to_numpy(check_part(parts, "idx", torch.uint8, None, spec)))
         val_raw = np.ascontiguousarray(to_numpy(check_part(parts, "val", torch.uint8, None, spec)))
         width = spec.torch_dtype.itemsize
-        unsigned = UNSIGNED[width]
-        base_all = np.ascontiguousarray(base(spec.name, np.arange(spec.numel, dtype=np.int64)))
-        if base_all.shape != (spec.numel,) or base_all.dtype.itemsize != width:
-            raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
+        base_all = whole_base(base, spec)
         starts = class_starts(base_all)
         if zstd_idx:
             ranks = decode_indices(idx_raw, params, spec, nnz)  # strictly increasing, below numel
@@ -130,19 +99,13 @@ class ExpRiceCodec(Codec):
                 raise CodecError(f"{spec.name}::idx is malformed: {found}", name=spec.name, part="idx")
             ranks, changed = found
         if zstd_val:
-            steps = unplanes(decompress(val_raw, nnz * width, f"{spec.name}::val"), nnz, unsigned)
+            steps = unplanes(decompress(val_raw, nnz * width, f"{spec.name}::val"), nnz, UNSIGNED[width])
         else:
             words = rice_words(val_raw, changed, 8 * width)
             if isinstance(words, str):
                 raise CodecError(f"{spec.name}::val is malformed: {words}", name=spec.name, part="val")
-            steps = ((words + 1) & ((1 << 8 * width) - 1)).astype(unsigned)
-        positions = exponent_positions(base_all, ranks, starts)
-        if positions is None:  # unreachable: every rank lies inside its class, which the decoders proved
-            raise CodecError(f"{spec.name}: rank out of range [0, {spec.numel})", name=spec.name)
-        indices, slots = positions
-        values = (base_all[indices].view(unsigned) + unzigzag(steps[slots]).view(unsigned)).view(SIGNED[width])
-        check_values(values, params, spec)
-        return Decoded(indices, values)
+            steps = ((words + 1) & ((1 << 8 * width) - 1)).astype(UNSIGNED[width])
+        return rebuild(base_all, ranks, steps, params, spec, starts)
 
 
 def _flag(params: Params, key: str, spec: TensorSpec) -> bool:
