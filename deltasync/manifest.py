@@ -234,9 +234,9 @@ class Manifest:
         if numbers and numbers[-1] - numbers[0] + 1 != len(numbers):  # strictly increasing: no range built
             missing = list(itertools.islice((n for a, b in zip(numbers, numbers[1:]) for n in range(a + 1, b)), 5))
             raise ManifestError(
-                f"manifest skips versions {missing[:5]} between v{numbers[0]} and v{numbers[-1]}: versions are "
+                f"manifest skips versions {missing} between v{numbers[0]} and v{numbers[-1]}: versions are "
                 "consecutive (each one is a delta from the one before)",
-                missing=missing[:5],
+                missing=missing,
             )
         if self.versions and not self.versions[0].anchor:
             raise ManifestError("the oldest listed version must have an anchor")
