@@ -391,6 +391,41 @@ def test_compact_exp_is_smaller_when_changes_follow_the_exponent() -> None:
     assert sizes["compact-exp"] < 0.8 * sizes["compact"], sizes
 
 
+@pytest.mark.parametrize("codec", ["compact-exp", "exp-rice"])
+def test_exponent_ranked_codecs_read_the_base_in_chunks_each_checked(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole base goes through the lookup a chunk at a time (a last, short chunk too); the result is the
+    same as in one read, and a chunk of the wrong size is refused."""
+    from deltasync.codec import ranked
+    from deltasync.errors import CodecError
+    from deltasync.tensors import bits_view
+
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(5000).astype(np.float32) * 0.02
+    target = base.copy()
+    moved = rng.choice(5000, 400, replace=False)
+    target[moved] *= 1.01
+    snap = Snapshot.capture({"w": torch.from_numpy(base)})
+    changes = diff(snap, {"w": torch.from_numpy(target)})
+    blob = encode_delta(changes, version=1, base_version=0, codec=codec)
+    held = bits_view(snap["w"]).numpy()
+    reads: list[tuple[int, int]] = []
+
+    def lookup(name: str, where: np.ndarray) -> np.ndarray:
+        reads.append((int(where[0]), where.size) if where.size else (0, 0))
+        return held[where]
+
+    monkeypatch.setattr(ranked, "WHOLE_CHUNK", 1024)
+    _, patches = decode(blob, base=lookup)
+    assert reads == [(start, min(1024, 5000 - start)) for start in range(0, 5000, 1024)]
+    (change,) = changes.changes
+    assert np.array_equal(patches["w"].values, bits_view(change.values).numpy())
+    assert np.array_equal(patches["w"].indices, change.indices.numpy())
+    with pytest.raises(CodecError, match="wrong shape"):
+        decode(blob, base=lambda name, where: held[where][:-1] if where[0] == 4096 else held[where])
+
+
 def test_a_densely_changed_tensor_goes_whole_or_sparse_whichever_is_smaller() -> None:
     """Half of a norm's elements moved by one ulp: its changes code smaller than the whole tensor."""
     weights = {"norm": torch.ones(4096, dtype=torch.bfloat16), "noise": torch.zeros(64, dtype=torch.bfloat16)}
@@ -731,6 +766,26 @@ class TestKernels:
         transposed = TorchModuleApplier({"w": weights.t()})  # not contiguous: torch's path, same bits
         expected = bits_view(weights.t().contiguous().to(published)).view(-1)[index]
         assert np.array_equal(transposed.lookup("w", index.numpy()), expected.numpy())
+
+    def test_a_replica_reads_its_weights_where_they_are_now(self) -> None:
+        """A CPU replica's reads see its weights as they are now: written in place, or replaced
+        (``param.data = ...``, with new storage or another dtype); nothing read earlier is served again."""
+        from deltasync.tensors import bits_view
+
+        layer = torch.nn.Linear(4, 8, bias=False).to(torch.bfloat16)
+        receiver = TorchModuleApplier(layer)
+        index = np.array([0, 5, 31])
+        first = bits_view(layer.weight.detach()).view(-1).numpy()[index].copy()
+        assert np.array_equal(receiver.lookup("weight", index), first)
+        layer.weight.data = layer.weight.data * 2  # new storage, new values
+        moved = bits_view(layer.weight.detach()).view(-1).numpy()[index]
+        assert not np.array_equal(moved, first) and np.array_equal(receiver.lookup("weight", index), moved)
+        with torch.no_grad():
+            layer.weight.add_(1)  # in place
+        assert np.array_equal(receiver.lookup("weight", index), bits_view(layer.weight.detach()).view(-1).numpy()[index])
+        layer.weight.data = layer.weight.data.float()  # no longer the published dtype: torch's path, same bits
+        expected = bits_view(layer.weight.detach().to(torch.bfloat16)).view(-1).numpy()[index]
+        assert np.array_equal(receiver.lookup("weight", index), expected)
 
     @settings(max_examples=60, deadline=None)
     @given(

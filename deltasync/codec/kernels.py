@@ -45,10 +45,16 @@ __all__ = [
 ]
 
 
-def _kernels() -> Any:
-    from . import _jit  # noqa: PLC0415 - numba loads when a kernel first runs, see the module docstring
+_JIT: Any = None
 
-    return _jit
+
+def _kernels() -> Any:
+    global _JIT
+    if _JIT is None:  # a module-level name: a kernel call costs no import lookup after the first
+        from . import _jit  # noqa: PLC0415 - numba loads when a kernel first runs, see the module docstring
+
+        _JIT = _jit
+    return _JIT
 
 
 def take(src: np.ndarray, indices: np.ndarray) -> np.ndarray | None:

@@ -89,12 +89,29 @@ def ranked_steps(change: TensorChange, starts: np.ndarray | None = None) -> tupl
     return ranks[by_rank], zigzag((new.view(unsigned) - base.view(unsigned)).view(new.dtype)[by_rank])
 
 
+WHOLE_CHUNK = 1 << 18
+"""Elements per base read of :func:`whole_base`: its index array stays in cache (an index array of the
+whole tensor is 8 bytes of memory traffic per element, twice: 2.7 against 1.3 ns per element)."""
+
+
 def whole_base(base: BaseLookup, spec: TensorSpec) -> np.ndarray:
-    """Every element of the receiver's tensor ``spec``, as bit patterns: what an exponent-ranked codec reads."""
-    base_all = np.ascontiguousarray(base(spec.name, np.arange(spec.numel, dtype=np.int64)))
-    if base_all.shape != (spec.numel,) or base_all.dtype.itemsize != spec.torch_dtype.itemsize:
-        raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
-    return base_all
+    """Every element of the receiver's tensor ``spec``, as bit patterns: what an exponent-ranked codec reads.
+
+    Read through the lookup a chunk at a time (:data:`WHOLE_CHUNK`), each chunk's shape checked.
+    """
+    width, numel = spec.torch_dtype.itemsize, spec.numel
+    out: np.ndarray | None = None
+    for start in range(0, max(numel, 1), WHOLE_CHUNK):
+        stop = min(start + WHOLE_CHUNK, numel)
+        got = np.asarray(base(spec.name, np.arange(start, stop, dtype=np.int64)))
+        if got.shape != (stop - start,) or got.dtype.itemsize != width:
+            raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
+        if out is None:
+            out = got if stop == numel else np.empty(numel, dtype=got.dtype)  # one chunk: as it came
+        if out is not got:
+            out[start:stop] = got
+    assert out is not None
+    return np.ascontiguousarray(out)
 
 
 def rebuild(

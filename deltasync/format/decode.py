@@ -89,9 +89,12 @@ def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor
     if at != body:
         raise DeltaFormatError(f"corrupt safetensors body: entries end at byte {at} of {body}")
     out = {}
+    whole = torch.frombuffer(view, dtype=torch.uint8)  # a delta's streams are slices of it (a view each)
     for name, (start, stop) in spans.items():
         dtype, shape = SAFETENSORS_DTYPES[layout[name]["dtype"]], layout[name]["shape"]
-        if stop == start:
+        if dtype == torch.uint8 and len(shape) == 1:  # 1 us a slice, against 5 for a frombuffer
+            out[name] = whole[head + start : head + stop]
+        elif stop == start:
             out[name] = torch.empty(shape, dtype=dtype)
         elif (head + start) % dtype.itemsize:  # another writer's unaligned layout: copied, never viewed misaligned
             out[name] = torch.frombuffer(bytearray(view[head + start : head + stop]), dtype=dtype).reshape(shape)
