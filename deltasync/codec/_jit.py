@@ -331,6 +331,18 @@ def _get_unary(raw: Any, bit: int, total: int, limit: int) -> Any:
 
 
 @_jit
+def _get_rice(raw: Any, bit: int, total: int, k: int, limit: int) -> Any:
+    """The Rice code with parameter ``k`` at ``bit``: ``(value, next bit)``; value -1 past the stream, -2 for a
+    quotient above ``limit``."""
+    q, bit = _get_unary(raw, bit, total, limit)
+    if q < 0:
+        return q, bit
+    if bit + k > total:
+        return -1, bit
+    return q << k | _get(raw, bit, k), bit + k
+
+
+@_jit
 def _stream_end(raw: Any, bit: int) -> int:
     """Whether ``bit`` ends the stream: fewer than 8 bits left, all of them zero."""
     total = raw.size * 8
@@ -363,13 +375,9 @@ def rice_ranks(raw: Any, starts: Any, nnz: int, out: Any, changed: Any) -> int:
         else:
             prev = np.int64(-1)
             while True:
-                q, bit = _get_unary(raw, bit, total, size >> k)
-                if q < 0:
-                    return TRUNCATED if q == -1 else BAD_FIELD
-                if bit + k > total:
-                    return TRUNCATED
-                gap = q << k | _get(raw, bit, k)
-                bit += k
+                gap, bit = _get_rice(raw, bit, total, k, size >> k)
+                if gap < 0:
+                    return TRUNCATED if gap == -1 else BAD_FIELD
                 if gap > size - prev - 1:  # past the class (checked before the sum, which cannot wrap)
                     return OUT_OF_RANGE
                 p = prev + gap + 1
@@ -446,13 +454,10 @@ def rice_words(raw: Any, changed: Any, width: int, out: Any) -> int:
                 bit += size
         elif field <= width:
             for i in range(j, j + count):
-                q, bit = _get_unary(raw, bit, total, top >> field)
-                if q < 0:
-                    return TRUNCATED if q == -1 else BAD_FIELD
-                if bit + field > total:
-                    return TRUNCATED
-                out[i] = q << field | _get(raw, bit, field)
-                bit += field
+                word, bit = _get_rice(raw, bit, total, field, top >> field)
+                if word < 0:
+                    return TRUNCATED if word == -1 else BAD_FIELD
+                out[i] = word
         else:
             return BAD_FIELD
         j += count
