@@ -71,7 +71,7 @@ class ExpRiceCodec(CompactExpCodec):
             params.update(iz=1, **gap_params)
         val: np.ndarray = rice_word_stream(
             (steps.astype(np.int64) - 1) & ((1 << 8 * width) - 1),  # the sign in the low bit
-            np.diff(np.searchsorted(ranks, starts)),
+            _per_class(ranks, starts),
             8 * width,
         )
         zstd_val = compress(planes(steps), level)
@@ -92,7 +92,7 @@ class ExpRiceCodec(CompactExpCodec):
         starts = class_starts(base_all)
         if zstd_idx:
             ranks = decode_indices(idx_raw, params, spec, nnz)  # strictly increasing, below numel
-            changed = np.diff(np.searchsorted(ranks, starts))
+            changed = _per_class(ranks, starts)
         else:
             found = rice_ranks(idx_raw, starts, nnz)
             if isinstance(found, str):
@@ -106,6 +106,11 @@ class ExpRiceCodec(CompactExpCodec):
                 raise CodecError(f"{spec.name}::val is malformed: {words}", name=spec.name, part="val")
             steps = ((words + 1) & ((1 << 8 * width) - 1)).astype(UNSIGNED[width])
         return rebuild(base_all, ranks, steps, params, spec, starts)
+
+
+def _per_class(ranks: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """How many of the sorted ``ranks`` fall in each exponent class (``starts``: :func:`~.kernels.class_starts`)."""
+    return np.diff(np.searchsorted(ranks, starts))
 
 
 def _flag(params: Params, key: str, spec: TensorSpec) -> bool:
