@@ -100,18 +100,14 @@ def whole_base(base: BaseLookup, spec: TensorSpec) -> np.ndarray:
     Read through the lookup a chunk at a time (:data:`WHOLE_CHUNK`), each chunk's shape checked.
     """
     width, numel = spec.torch_dtype.itemsize, spec.numel
-    out: np.ndarray | None = None
-    for start in range(0, max(numel, 1), WHOLE_CHUNK):
+    out = np.empty(numel, dtype=SIGNED[width])
+    for start in range(0, numel, WHOLE_CHUNK):
         stop = min(start + WHOLE_CHUNK, numel)
         got = np.asarray(base(spec.name, np.arange(start, stop, dtype=np.int64)))
         if got.shape != (stop - start,) or got.dtype.itemsize != width:
             raise CodecError(f"{spec.name}: base lookup returned the wrong shape", name=spec.name)
-        if out is None:
-            out = got if stop == numel else np.empty(numel, dtype=got.dtype)  # one chunk: as it came
-        if out is not got:
-            out[start:stop] = got
-    assert out is not None
-    return np.ascontiguousarray(out)
+        out[start:stop] = got.view(out.dtype)  # bit patterns, whatever integer type the lookup gave
+    return out
 
 
 def rebuild(
