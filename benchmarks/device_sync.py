@@ -10,7 +10,7 @@ median of ``--repeats`` runs with the spread (min, max):
 |---|---|---|
 | diff on the training thread | ``diff`` of the masters against the snapshot (off the CPU: the device path) | cast + ``ne`` + ``nonzero`` over all weights |
 | diff, device path | ``diff(..., on_device=True)``, and how many times it waits for the device per version | the same |
-| replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids |
+| replica decode | ``decode`` of the delta (default codec) against the replica as a ``Subscriber`` calls it, on all threads and on one | zstd-decompressing the same delta's parts and reading the replica at every changed index (``index_select``): what no base-relative decoder avoids; the one-thread row's floor also on one thread (torch's too) |
 | decode, device path | the same through the path of a replica on an accelerator (``stage=True`` on a CPU): rebuilt on the weights' device, and how many times the host waits | the same |
 | replica apply | ``TorchModuleApplier.apply`` of what the replica's decode gave (on an accelerator: patches already there) | the faster of ``index_copy_`` and ``index_put_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | patches decoded on the host (other codecs) with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
@@ -43,7 +43,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,19 @@ def spread(fn: Callable[[], Any], repeats: int, device: torch.device) -> dict[st
         sync(device)
         times.append(time.perf_counter() - start)
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+@contextmanager
+def one_core() -> Iterator[None]:
+    """deltasync's decode threads and torch's intra-op threads both at one: the per-core figures."""
+    workers, threads = parallel.WORKERS, torch.get_num_threads()
+    parallel.WORKERS = 1
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        parallel.WORKERS = workers
+        torch.set_num_threads(threads)
 
 
 class Model:
@@ -252,11 +266,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return decode(data, base=applier.lookup, on_device=applier.on_device)
 
         t_decode = spread(replica_decode, args.repeats, device)
-        parallel.WORKERS, threads = 1, parallel.WORKERS  # the same decode on one thread: the per-core figure
-        try:
+        threads = parallel.WORKERS
+        with one_core():  # the same decode on one thread: the per-core figure
             t_decode_one = spread(replica_decode, args.repeats, device)
-        finally:
-            parallel.WORKERS = threads
         # The path of a replica on an accelerator: rebuilt where the weights live, one host wait per file.
         rebuilt = TorchModuleApplier(decoder.state(), stage=True)
         t_decode_device = spread(lambda: replica_decode(rebuilt), args.repeats, device)
@@ -283,9 +295,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # What no base-relative decoder avoids: decompressing, and reading the base at every changed index.
         held = {n: bits_view(t).view(-1) for n, t in decoder.state().items()}
         where = {n: torch.from_numpy(p.indices).to(device) for n, p in host_patches.items()}
-        t_floor_decode = spread(
-            lambda: (floor_decompress(), [held[n].index_select(0, i) for n, i in where.items()]), args.repeats, device
-        )
+        def floor_decode() -> None:
+            floor_decompress()
+            for name, index in where.items():
+                held[name].index_select(0, index)
+
+        t_floor_decode = spread(floor_decode, args.repeats, device)
+        with one_core():
+            t_floor_decode_one = spread(floor_decode, args.repeats, device)
         on_device = {
             n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
             for n, p in host_patches.items()
@@ -338,9 +355,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["decode"] = {"deltasync": t_decode["median"], **floors,
                           "changes_per_s": nnz / t_decode["median"], "threads": threads,
                           "spread": [t_decode, t_floor_decode, t_floor_decompress]}
-        rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], **floors,
+        rows["decode, 1 thread"] = {"deltasync": t_decode_one["median"], "floor": t_floor_decode_one["median"],
+                                    "floor_decompress": t_floor_decompress["median"],
                                     "changes_per_s": nnz / t_decode_one["median"], "threads": 1,
-                                    "spread": [t_decode_one, t_floor_decode, t_floor_decompress]}
+                                    "floor_changes_per_s": nnz / t_floor_decode_one["median"],
+                                    "spread": [t_decode_one, t_floor_decode_one, t_floor_decompress]}
         rows["decode, device path"] = {"deltasync": t_decode_device["median"], **floors,
                                        "changes_per_s": nnz / t_decode_device["median"], "threads": threads,
                                        "host_waits": decode_waits, "tensors": len(model.masters),
@@ -408,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra = ", ".join(f"{stage} {1e3 * t:.1f} ms" for stage, t in row["parts"].items())
         elif "changes_per_s" in row:
             extra = f"{row['changes_per_s'] / 1e6:.0f} M changes/s on {row['threads']} thread(s)"
+            if "floor_changes_per_s" in row:
+                extra += f" (floor {row['floor_changes_per_s'] / 1e6:.0f} M)"
             if "host_waits" in row:
                 extra += f"; {row['host_waits']} host wait(s) for {row['tensors']} tensors"
         rows.append([stage, f"{1e3 * row['deltasync']:.1f} ms", f"{1e3 * row['floor']:.1f} ms", f"{ratio:.1f}x", extra])

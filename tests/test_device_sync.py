@@ -27,6 +27,9 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     assert result["stages"]["diff, device path"]["host_waits"] == 2  # whatever the number of tensors
     rebuilt = result["stages"]["decode, device path"]
     assert rebuilt["host_waits"] == 1 and rebuilt["tensors"] == 64  # one wait for the file, not one per tensor
+    one = result["stages"]["decode, 1 thread"]
+    assert one["threads"] == 1 and one["floor_changes_per_s"] > 0  # the per-core floor, also on one core
+    assert "floor" in done.stdout.split("decode, 1 thread")[1].splitlines()[0]
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout
