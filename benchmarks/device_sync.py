@@ -32,12 +32,22 @@ go to ``device_sync_<device>_checkpoints.json``.
     python benchmarks/device_sync.py --device cuda --params 1e9
     python benchmarks/device_sync.py --quick              # CI: 8M params, results in a temp dir
     python benchmarks/device_sync.py --device cuda --checkpoints run/step-*.safetensors
+    python benchmarks/device_sync.py --device cuda --params 1e9 --profile prof/   # and where the time goes
+
+With ``--profile DIR`` one more diff, decode, apply and whole update are run under
+torch's profiler (the device's kernels included on a GPU) and cProfile after the
+timed runs; ``DIR/profile_<stage>.txt`` holds the tables, ``.json.gz`` the traces.
+The whole update's profile takes two more steps (two more checkpoints).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gzip
+import io
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -103,6 +113,7 @@ class Model:
             f"layers.{i}.weight": torch.randn(size, generator=self.gen, device=device) * 0.02 for i in range(tensors)
         }
         self.device = device
+        self.spare = sys.maxsize  # steps left to take: any number
 
     def bf16(self) -> dict[str, torch.Tensor]:
         return {n: t.to(torch.bfloat16) for n, t in self.masters.items()}
@@ -129,6 +140,11 @@ class Checkpoints:
         self.paths, self.device, self.next = paths, device, 1
         self.masters = {n: t.to(device) for n, t in load_checkpoint(paths[0]).items()}
         self.rounds = len(paths) - 2
+
+    @property
+    def spare(self) -> int:
+        """Checkpoints not stepped to yet."""
+        return len(self.paths) - self.next
 
     def step(self, density: float) -> int:
         """Replace every weight by the next checkpoint's (``density`` is the run's own); how many changed."""
@@ -197,6 +213,48 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
             "files": files}
 
 
+def profile_stage(
+    label: str, fn: Callable[[], Any], device: torch.device, out: Path, prepare: Callable[[], Any] | None = None
+) -> None:
+    """One more run of ``fn`` under torch's profiler (host ops on every thread, and the device's kernels on
+    a GPU), then one under cProfile (the Python of the calling thread), each after ``prepare()`` if given:
+    ``out/profile_<label>.txt`` holds the tables, ``out/profile_<label>.json.gz`` the trace
+    (chrome://tracing, Perfetto). Neither run is timed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if prepare is not None:
+        prepare()
+    sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    stem = out / f"profile_{label.replace(' ', '_')}"
+    trace = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    averages = prof.key_averages()
+    tables = [f"{label}: torch ops by self host time\n"
+              + averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)]
+    if device.type == "cuda":
+        tables.insert(0, f"{label}: torch ops by self device time\n"
+                      + averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    if prepare is not None:
+        prepare()
+    sync(device)
+    host = cProfile.Profile()
+    host.enable()
+    fn()
+    sync(device)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+    tables.append(f"{label}: Python of the calling thread (cProfile, by own time)\n{text.getvalue()}")
+    stem.with_suffix(".txt").write_text("\n\n".join(tables))
+
+
 def floor_diff(model: Model, snapshot: Snapshot) -> None:
     for name, master in model.masters.items():
         torch.ne(master.to(torch.bfloat16), snapshot[name]).nonzero()
@@ -213,6 +271,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         update_rounds = args.repeats
     numel = sum(t.numel() for t in model.masters.values())
     weight_bytes = 2 * numel
+    profiles = Path(args.profile) if args.profile else None
+    if profiles:
+        profiles.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm")
     root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=shm if shm.is_dir() else None))
     rows: dict[str, dict[str, Any]] = {}
@@ -269,6 +330,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         threads = parallel.WORKERS
         with one_core():  # the same decode on one thread: the per-core figure
             t_decode_one = spread(replica_decode, args.repeats, device)
+        if profiles:
+            profile_stage("diff", lambda: diff(snapshot, model.masters), device, profiles)
+            profile_stage("decode", replica_decode, device, profiles)
         # The path of a replica on an accelerator: rebuilt where the weights live, one host wait per file.
         rebuilt = TorchModuleApplier(decoder.state(), stage=True)
         t_decode_device = spread(lambda: replica_decode(rebuilt), args.repeats, device)
@@ -309,6 +373,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
+        if profiles:  # after its timed runs: the decode above left the replica as it was
+            profile_stage("apply", lambda: decoder.apply(patches), device, profiles)
         # The path of patches decoded on the host (other codecs) into tensors on an accelerator.
         staged = TorchModuleApplier(decoder.state(), stage=True)
         t_apply_staged = spread(lambda: staged.apply(host_patches), args.repeats, device)
@@ -339,6 +405,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sync(device)
             updates.append(time.perf_counter() - started)
             parts.append((info.t_fetch, info.t_decode, info.t_apply))
+            assert subscriber.version == publisher.version
+        if profiles and model.spare >= 2:  # two more versions: one for each profiler
+            version = update_rounds
+
+            def next_version() -> None:
+                nonlocal version
+                version += 1
+                model.step(args.density)
+                publisher.publish(version, block=True)
+                publisher.flush()
+
+            profile_stage("whole update", subscriber.update, device, profiles, prepare=next_version)
             assert subscriber.version == publisher.version
         host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
         t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
@@ -406,6 +484,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--checkpoints", nargs="+", metavar="PATH",
                         help="a real run instead of the synthetic model: safetensors files (or directories of "
                              "them) of consecutive steps, at least --repeats + 2 for every whole-update round")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile one more diff, decode, apply and whole update each (torch's profiler, "
+                             "with the device's kernels on a GPU, and cProfile): tables and traces in DIR")
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.repeats = 8e6, 3

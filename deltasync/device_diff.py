@@ -45,6 +45,7 @@ from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums, settle
 
@@ -147,13 +148,15 @@ def changes_on_device(
             bounds[k] = min(2 * last + SLACK, job.numel)
         else:
             counted[k] = torch.ne(_new_bits(job, scratch), job.old).sum()
-    searched = [_search(jobs, group, bounds, scratch, words) for group, words in _groups(jobs, bounds)]  # queued
+    with record_function("deltasync.diff.search"):
+        searched = [_search(jobs, group, bounds, scratch, words) for group, words in _groups(jobs, bounds)]  # queued
     host_waits.count += 1  # wait 1: the counts and what each search found, in one copy
     home = jobs[0].old.device
     found_on_device = [group.found.view(-1).to(home) for group in searched]
     if counted:
         found_on_device.append(torch.stack(list(counted.values())).to(home))
-    flat = torch.cat(found_on_device).tolist()  # searches' (words, elements) pairs, then the counts
+    with record_function("deltasync.diff.wait_found"):
+        flat = torch.cat(found_on_device).tolist()  # searches' (words, elements) pairs, then the counts
     exact = dict(zip(counted, flat[len(flat) - len(counted) :]))
     found: dict[int, tuple[_Group, int]] = {}  # job -> (its search, where its changes start in it)
     unknown = []
@@ -193,7 +196,8 @@ def changes_on_device(
         group, at = found[k]
         ends[id(group)] = (group, max(ends.get(id(group), (group, 0))[1], at + exact[k]))
     on_host = {key: group.to_host(end) for key, (group, end) in ends.items()}
-    host_waits.wait(*devices)  # wait 2: every copy above has landed
+    with record_function("deltasync.diff.wait_changes"):
+        host_waits.wait(*devices)  # wait 2: every copy above has landed
     pieces: dict[int, list[tuple[torch.Tensor, ...]]] = {}
     for k in used:
         group, at = found[k]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -12,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "device_sync.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "device_sync.py"), "--quick", "--out", str(tmp_path),
+         "--profile", str(tmp_path / "profiles")],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,6 +35,12 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     for stage in result["stages"].values():
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout
+    # --profile: one more run of each stage under torch's profiler and cProfile, the library's phases named
+    for stage, phase in (("diff", "diff.py"), ("decode", "take"), ("apply", "index_put_"),
+                         ("whole_update", "deltasync.decode")):
+        text = (tmp_path / "profiles" / f"profile_{stage}.txt").read_text()
+        assert "torch ops by self host time" in text and "cProfile" in text and phase in text, stage
+        assert json.loads(gzip.open(tmp_path / "profiles" / f"profile_{stage}.json.gz").read())["traceEvents"]
 
 
 def test_device_sync_on_checkpoints_of_a_run(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..device_diff import WaitCounter, to_host
 from ..errors import CodecError
@@ -169,9 +170,11 @@ def decode_on_device(
             plan, host = staged.result()
             if k + 1 < len(batches):
                 staged = ahead.submit(_stage, *batches[k + 1])
-            queued.append(_queue_group(device, group, reader, plan, host))
-    for device in by_device:
-        host_waits.wait(device)  # the one wait per device: every flag and value has reached the host
+            with record_function("deltasync.decode.queue"):
+                queued.append(_queue_group(device, group, reader, plan, host))
+    with record_function("deltasync.decode.wait"):
+        for device in by_device:
+            host_waits.wait(device)  # the one wait per device: every flag and value has reached the host
     failed = {item.name for batch in queued for item in batch.failed()}
     for item in items:  # the first failed check in file order
         if item.name in failed:
@@ -180,7 +183,8 @@ def decode_on_device(
                 f"[0, {item.spec.numel}))", name=item.name,
             )
     checks = [(batch, k) for batch in queued for k in range(len(batch.items))]
-    map_shared(lambda job: job[0].check(job[1]), checks, [job[0].items[job[1]].nnz for job in checks])
+    with record_function("deltasync.decode.check_values"):
+        map_shared(lambda job: job[0].check(job[1]), checks, [job[0].items[job[1]].nnz for job in checks])
     out = {name: patch for batch in queued for name, patch in batch.decoded.items()}
     return {item.name: out[item.name] for item in items}
 
@@ -312,9 +316,10 @@ class _Packing:
 
 def _stage(device: torch.device, items: list[Streams]) -> tuple[_Packing, torch.Tensor]:
     """Lay out a batch and fill its host buffer (pinned for a CUDA device), on the decode threads."""
-    plan = _Packing(items)
-    host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    plan.fill(host.numpy(), items)
+    with record_function("deltasync.decode.inflate"):
+        plan = _Packing(items)
+        host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        plan.fill(host.numpy(), items)
     return plan, host
 
 
