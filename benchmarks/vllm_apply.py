@@ -14,12 +14,13 @@ repeats are idempotent):
 - (d) a full reload, ``collective_rpc("reload_weights", weights_path=...)``:
   the engine pause per sync without deltas.
 
-Also one whole sync (fetch + decode with one batched lookup + apply) through
-the Subscriber, and a bit-exact check afterwards. Writes
-``benchmarks/results/vllm_apply.json`` and prints a table.
+Also whole syncs through the Subscriber (fetch + decode with one batched lookup
++ apply): the engine's first, then ``--syncs`` more, one per training step, whose
+medians are what every later step costs; bit-exact checks after each part.
+Writes ``benchmarks/results/vllm_apply.json`` and prints a table.
 
-    python benchmarks/vllm_apply.py             # 7 repeats
-    python benchmarks/vllm_apply.py --repeats 3
+    python benchmarks/vllm_apply.py             # 7 repeats, 6 more syncs
+    python benchmarks/vllm_apply.py --repeats 3 --syncs 3
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lr", type=float, default=3e-6)
+    parser.add_argument("--syncs", type=int, default=6, help="whole syncs after the first, one per step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -61,13 +63,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm-apply-"))
     store = str(work / "run")
     trainer = Trainer(ckpt, lr=args.lr)
-    with Publisher(trainer.model, store) as pub:
-        pub.publish(0, block=True)
-        pub.flush()
-        run_id, v0 = latest(store)
-        trainer.step()
-        pub.publish(1, block=True)
-        pub.flush()
+    pub = Publisher(trainer.model, store)
+    pub.publish(0, block=True)
+    pub.flush()
+    run_id, v0 = latest(store)
+    trainer.step()
+    pub.publish(1, block=True)
+    pub.flush()
     weights = trainer.bf16()
     v1_dir = save_checkpoint(weights, ckpt, work / "v1")
     delta_key = sorted(o.key for o in __import__("deltasync").open_store(store).list("deltas/"))[-1]
@@ -87,8 +89,8 @@ def main() -> None:
     with engine(ckpt, plain=True, extension=BENCH_EXTENSION) as llm:
         follower = VLLMFollower(llm, model=ckpt)
         t_init = max(r["ms"] for r in follower.ranks)
-        with follower.subscriber(store, ack=False, start_version=v0, run_id=run_id) as sub:
-            info = sub.update()
+        sub = follower.subscriber(store, ack=False, start_version=v0, run_id=run_id)
+        info = sub.update()
         assert info is not None
         assert_engine_exact(follower, weights)
 
@@ -107,6 +109,18 @@ def main() -> None:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(v1_dir)})
             reload_ms.append(1e3 * (time.perf_counter() - start))
         assert_engine_exact(follower, weights)  # every path left the same, exact weights
+        steady = []  # one training step, one publish, one sync each: what every later step costs
+        for version in range(2, 2 + args.syncs):
+            trainer.step()
+            pub.publish(version, block=True)
+            pub.flush()
+            later = sub.update()
+            assert later is not None and later.version == version
+            steady.append(later)
+        sub.close()
+        pub.close()
+        if steady:
+            assert_engine_exact(follower, trainer.bf16())
 
     a, b, c, d = median(worker_ms), median(full_ms), median(patch_ms), median(reload_ms)
     result = {
@@ -119,10 +133,17 @@ def main() -> None:
         "delta_bytes": len(blob),
         "repeats": args.repeats,
         "index_map_ms": t_init,
-        "sync": {
+        "sync": {  # the engine's first
             "t_fetch_ms": 1e3 * info.t_fetch,
             "t_decode_ms": 1e3 * info.t_decode,
             "t_apply_ms": 1e3 * info.t_apply,
+        },
+        "sync_steady": {  # medians of the syncs after it, one per step
+            "syncs": len(steady),
+            "bytes": [i.bytes for i in steady],
+            **{f"t_{part}_ms": median([1e3 * getattr(i, f"t_{part}") for i in steady]) if steady else None
+               for part in ("fetch", "decode", "apply")},
+            "samples_ms": {part: [1e3 * getattr(i, f"t_{part}") for i in steady] for part in ("fetch", "decode", "apply")},
         },
         "ms": {
             "a_inplace_worker": a,
@@ -146,8 +167,13 @@ def main() -> None:
     print(f"\nSmolLM2-135M, one AdamW step at lr {args.lr}: {nnz:,} of {numel:,} elements changed "
           f"(sparsity {1 - nnz / numel:.2%}), delta {len(blob):,} bytes; medians of {args.repeats}\n")
     print(table(rows, ["path", "ms", "vs (b)"]))
-    print(f"\nwhole sync through the Subscriber: fetch {1e3 * info.t_fetch:.0f} ms, decode+lookup "
-          f"{1e3 * info.t_decode:.0f} ms, apply {1e3 * info.t_apply:.0f} ms; index map built in {t_init:.0f} ms")
+    print(f"\nwhole sync through the Subscriber, the engine's first: fetch {1e3 * info.t_fetch:.0f} ms, "
+          f"decode+lookup {1e3 * info.t_decode:.0f} ms, apply {1e3 * info.t_apply:.0f} ms; "
+          f"index map built in {t_init:.0f} ms")
+    if steady:
+        s = result["sync_steady"]
+        print(f"the {len(steady)} after it (one per step, medians): fetch {s['t_fetch_ms']:.0f} ms, "
+              f"decode+lookup {s['t_decode_ms']:.0f} ms, apply {s['t_apply_ms']:.0f} ms")
     print(f"wrote {path}")
     os._exit(0)  # vLLM's engine processes are already shut down; skip slow interpreter teardown
 
