@@ -14,12 +14,15 @@ repeats are idempotent):
 - (d) a full reload, ``collective_rpc("reload_weights", weights_path=...)``:
   the engine pause per sync without deltas.
 
-Also whole syncs through the Subscriber (fetch + decode with one batched lookup
-+ apply): the engine's first, then ``--syncs`` more, one per training step, whose
-medians are what every later step costs; bit-exact checks after each part.
+Also whole syncs through the Subscriber (fetch, validation, then the files
+decoded and written in the worker, as an engine of one rank takes deltas): the
+engine's first, then ``--syncs`` more, one per training step, whose medians are
+what every later step costs, and as many on alternate steps decoded by the
+follower instead (one RPC for the bases, one for the patches); bit-exact checks
+after each part.
 Writes ``benchmarks/results/vllm_apply.json`` and prints a table.
 
-    python benchmarks/vllm_apply.py             # 7 repeats, 6 more syncs
+    python benchmarks/vllm_apply.py             # 7 repeats, 4 more syncs of each kind
     python benchmarks/vllm_apply.py --repeats 3 --syncs 3
 """
 
@@ -44,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lr", type=float, default=3e-6)
-    parser.add_argument("--syncs", type=int, default=6, help="whole syncs after the first, one per step")
+    parser.add_argument("--syncs", type=int, default=4,
+                        help="whole syncs after the first, one per step, of each kind (decoded in the worker, here)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -109,14 +113,21 @@ def main() -> None:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(v1_dir)})
             reload_ms.append(1e3 * (time.perf_counter() - start))
         assert_engine_exact(follower, weights)  # every path left the same, exact weights
-        steady = []  # one training step, one publish, one sync each: what every later step costs
-        for version in range(2, 2 + args.syncs):
+        # One training step, one publish, one sync each: what every later step costs, the files decoded in the
+        # worker (the default for an engine of one rank) and, on alternate steps, decoded here (two RPCs).
+        steady, in_worker, here = [], [], []
+        for version in range(2, 2 + 2 * args.syncs):
+            follower.decode_in_worker = version % 2 == 0
             trainer.step()
             pub.publish(version, block=True)
             pub.flush()
             later = sub.update()
             assert later is not None and later.version == version
-            steady.append(later)
+            if follower.decode_in_worker:
+                steady.append(later)
+                in_worker.append(dict(follower.last_apply))  # the worker's own timings of this sync's apply
+            else:
+                here.append(later)
         sub.close()
         pub.close()
         if steady:
@@ -143,7 +154,18 @@ def main() -> None:
             "bytes": [i.bytes for i in steady],
             **{f"t_{part}_ms": median([1e3 * getattr(i, f"t_{part}") for i in steady]) if steady else None
                for part in ("fetch", "decode", "apply")},
-            "samples_ms": {part: [1e3 * getattr(i, f"t_{part}") for i in steady] for part in ("fetch", "decode", "apply")},
+            "samples_ms": {part: [1e3 * getattr(i, f"t_{part}") for i in steady]
+                           for part in ("fetch", "decode", "apply")},
+            # In the worker: decoding the files against its weights (an engine of one rank), then all of it.
+            "worker_decode_ms": median([w.get("decode_ms", 0.0) for w in in_worker]) if in_worker else None,
+            "worker_ms": median([w["ms"] for w in in_worker]) if in_worker else None,
+        },
+        "sync_decoded_here": {  # the alternate steps: decoded by the follower, one RPC for bases, one for patches
+            "syncs": len(here),
+            **{f"t_{part}_ms": median([1e3 * getattr(i, f"t_{part}") for i in here]) if here else None
+               for part in ("fetch", "decode", "apply")},
+            "samples_ms": {part: [1e3 * getattr(i, f"t_{part}") for i in here]
+                           for part in ("fetch", "decode", "apply")},
         },
         "ms": {
             "a_inplace_worker": a,
@@ -173,7 +195,11 @@ def main() -> None:
     if steady:
         s = result["sync_steady"]
         print(f"the {len(steady)} after it (one per step, medians): fetch {s['t_fetch_ms']:.0f} ms, "
-              f"decode+lookup {s['t_decode_ms']:.0f} ms, apply {s['t_apply_ms']:.0f} ms")
+              f"decode+lookup {s['t_decode_ms']:.0f} ms, apply {s['t_apply_ms']:.0f} ms (in the worker: "
+              f"{s['worker_ms']:.0f} ms, of which decoding {s['worker_decode_ms']:.0f} ms)")
+        h = result["sync_decoded_here"]
+        print(f"the {len(here)} on alternate steps, decoded by the follower (bases and patches by RPC): fetch "
+              f"{h['t_fetch_ms']:.0f} ms, decode+lookup {h['t_decode_ms']:.0f} ms, apply {h['t_apply_ms']:.0f} ms")
     print(f"wrote {path}")
     os._exit(0)  # vLLM's engine processes are already shut down; skip slow interpreter teardown
 

@@ -64,6 +64,20 @@ class Applier(Protocol):
     def apply(self, decoded: dict[str, Decoded]) -> None: ...
 
 
+class FileApplier(Applier, Protocol):
+    """An applier that can take a version's files whole and decode them where the weights live (a vLLM
+    engine whose one worker holds every element): the base is read there, and only the files travel.
+
+    ``takes_files(kind)`` says whether it takes this kind of version that way now. ``apply_files`` then
+    decodes, checks everything, and writes only if every check passed: it returns the error that refused
+    the files before anything was written (``None`` once applied), and raises if a write failed.
+    """
+
+    def takes_files(self, kind: str) -> bool: ...
+
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None: ...
+
+
 class Fetcher:
     """Downloads and vets the objects of a replica's routes.
 
@@ -153,6 +167,13 @@ class Fetcher:
         """Validate every file of one version against the replica and the manifest's claim, and
         decode it all (or the tensors range-read from it); nothing is written. Refused objects
         are avoided under this claim."""
+        return self.decode_checked(step, blobs, self.check(step, blobs, previous_version))
+
+    def check(
+        self, step: Step, blobs: list[bytes | memoryview | Fetched], previous_version: int | None
+    ) -> list[Header]:
+        """The first half of :meth:`check_and_decode`: every file's header, validated against the replica
+        and the manifest's claim (an anchor carries every tensor); refused objects are avoided."""
         headers = [b.header if isinstance(b, Fetched) else read_header(b) for b in blobs]
         for ref, header in zip(step.objects, headers):
             try:
@@ -164,6 +185,12 @@ class Fetcher:
         if step.kind == "anchor" and {n for h in headers for n in h.tensors} != set(self.applier.specs):
             self._refuse(step, *step.objects)
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
+        return headers
+
+    def decode_checked(
+        self, step: Step, blobs: list[bytes | memoryview | Fetched], headers: list[Header]
+    ) -> dict[str, Decoded]:
+        """The second half of :meth:`check_and_decode`: decode the files :meth:`check` passed."""
         parts = []
         on_device = getattr(self.applier, "on_device", None)  # a receiver on an accelerator: rebuild there
         for ref, blob, header in zip(step.objects, blobs, headers):
@@ -183,6 +210,10 @@ class Fetcher:
         except DeltaSyncError:
             self._refuse(step, *step.objects)
             raise
+
+    def refuse(self, step: Step) -> None:
+        """Never use ``step``'s objects again as it lists them: a replica that decodes them itself refused them."""
+        self._refuse(step, *step.objects)
 
     def _refuse(self, step: Step, *refs: ObjectRef) -> None:
         """Never use these objects again as ``step`` lists them: their content failed validation."""

@@ -34,13 +34,13 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch.profiler import record_function
 
 from .acks import ACK_TTL_S, read_acks, safe_replica_id, write_ack
 from .errors import ConfigError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, VersionError
-from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher
+from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher, FileApplier
 from .keys import MANIFEST_KEY
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
 from .options import check_int, check_number
@@ -71,7 +71,9 @@ class UpdateInfo:
     """Bytes downloaded."""
     t_fetch: float
     t_decode: float
+    """Seconds validating and decoding (only validating where the applier decodes the files itself)."""
     t_apply: float
+    """Seconds writing (with that decode, where the applier decodes the files itself)."""
     lag_s: float
     """Seconds from the trainer's publish of ``version`` to its application here."""
     step: int | None
@@ -365,15 +367,25 @@ class Subscriber:
             nbytes += sum(b.bytes_read if isinstance(b, Fetched) else len(b) for b in blobs)
             t0 = time.perf_counter()
             with record_function("deltasync.decode"):
-                decoded = self._fetcher.check_and_decode(step, blobs, previous_version=self._held(manifest))
+                headers = self._fetcher.check(step, blobs, previous_version=self._held(manifest))
+                decoded = None if _takes_files(self.applier, step.kind, blobs) else (
+                    self._fetcher.decode_checked(step, blobs, headers))
             t1 = time.perf_counter()
+            refused = None
             try:
                 with record_function("deltasync.apply"):
-                    self.applier.apply(decoded)
+                    if decoded is None:
+                        files = cast(list[bytes | memoryview], blobs)  # whole files (_takes_files)
+                        refused = cast(FileApplier, self.applier).apply_files(step.kind, files)
+                    else:
+                        self.applier.apply(decoded)
             except BaseException:
                 # Weights may be partly written: only an anchor can make them whole again.
                 self._set_version(None, None)
                 raise
+            if refused is not None:  # the applier's own checks failed before any write: its version stands
+                self._fetcher.refuse(step)
+                raise refused
             t_apply += time.perf_counter() - t1
             t_decode += t1 - t0
             self._set_version(manifest.run_id, step.version)
@@ -419,6 +431,12 @@ class Subscriber:
             "apply_ms": 1e3 * info.t_apply,
             "rejected": dict(self.stats.rejected),
         })
+
+
+def _takes_files(applier: Applier, kind: str, blobs: list[Any]) -> bool:
+    """Whether ``applier`` decodes this version's whole files where its weights live (:class:`FileApplier`)."""
+    takes = getattr(applier, "takes_files", None)
+    return takes is not None and not any(isinstance(b, Fetched) for b in blobs) and bool(takes(kind))
 
 
 def _check_options(

@@ -73,7 +73,8 @@ class TestPlainWeights:
             calls = follower.rpc_calls
             info = sub.update()
             assert info is not None and info.route == ("delta",)
-            assert follower.rpc_calls - calls == 2  # one batched lookup, one apply
+            assert follower.rpc_calls - calls == 1  # the files, decoded and written in the one worker
+            assert follower.last_apply["decode_ms"] > 0
             assert_engine_exact(follower, trainer.bf16())
             assert follower.engine_version() == pub.version
         assert [v for v, _ in follower.history] == [pub.version - 2, pub.version - 1, pub.version]
@@ -86,7 +87,7 @@ class TestPlainWeights:
         labels = [s.version for s in out[0].outputs[0].weight_versions]
         assert labels == [f"{pub.version}@{sub.run_id[:12]}"]  # the version, tied to the run
 
-    def test_sharded_version_applies_exactly_with_one_batched_lookup(self, plain_run, tmp_path: Path) -> None:
+    def test_sharded_version_applies_exactly_in_one_call(self, plain_run, tmp_path: Path) -> None:
         """A version written as two trainer-rank shards (rows split in half) reaches the engine exactly."""
         import time
 
@@ -122,8 +123,64 @@ class TestPlainWeights:
             calls = follower.rpc_calls
             info = sub.update()
             assert info is not None and info.version == 1 and info.route == ("delta",)
-            assert follower.rpc_calls - calls == 2  # the shards' bases in one batched lookup, one apply
+            assert follower.rpc_calls - calls == 1  # both shards' files in one call
         assert_engine_exact(follower, after)
+
+    def test_decoded_here_when_asked(self, plain_run, tmp_path: Path) -> None:
+        """``decode_in_worker=False``: the follower decodes (one batched lookup of the bases, one apply)."""
+        _, follower, _, trainer, _ = plain_run
+        weights = trainer.bf16()  # what the engine holds now (the previous test ended exact)
+        url = str(tmp_path / "here")
+        with Publisher(weights, url) as pub:
+            pub.publish(0, block=True)
+            pub.flush()
+            trainer.step()
+            for name, tensor in trainer.bf16().items():
+                weights[name].copy_(tensor)
+            pub.publish(1, block=True)
+            pub.flush()
+        follower.decode_in_worker = False
+        try:
+            with follower.subscriber(url, ack=False, start_version=0, run_id=latest(url)[0]) as sub:
+                calls = follower.rpc_calls
+                info = sub.update()
+                assert info is not None and info.version == 1 and info.route == ("delta",)
+                assert follower.rpc_calls - calls == 2
+        finally:
+            follower.decode_in_worker = True
+        assert_engine_exact(follower, weights)
+
+    def test_worker_refuses_a_delta_onto_other_weights_and_writes_nothing(self, plain_run, tmp_path: Path) -> None:
+        """The engine's weights were changed behind deltasync's back: the worker's decode of the next delta
+        cannot reproduce the publisher's values, so it refuses the files with a typed error before writing
+        anything, and the engine keeps its version and every weight it had."""
+        _, follower, _, trainer, _ = plain_run
+        weights = trainer.bf16()  # what the engine holds now (the previous test ended exact)
+        url = str(tmp_path / "elsewhere")
+        pub = Publisher(weights, url)
+        pub.publish(0, block=True)
+        pub.flush()
+        name, other = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
+        held = weights[name].view(torch.int16).reshape(-1).numpy().copy()
+        follower._rpc("deltasync_apply", pack({name: {"val": held + 1}}, text=False))  # one ulp, behind its back
+        version, other_before = follower.engine_version(), follower.gather(other).clone()
+        trainer.step()
+        for key, tensor in trainer.bf16().items():
+            weights[key].copy_(tensor)
+        pub.publish(1, block=True)
+        pub.flush()
+        pub.close()
+        try:
+            with follower.subscriber(url, ack=False, start_version=0, run_id=latest(url)[0]) as sub:
+                calls = follower.rpc_calls
+                with pytest.raises(IntegrityError, match="base version"):
+                    sub.update()
+                assert follower.rpc_calls - calls == 1 and sub.version == 0  # refused in the worker, as a refusal
+            assert follower.engine_version() == version
+            assert np.array_equal(follower.gather(name).view(torch.int16).reshape(-1).numpy(), held + 1)
+            assert torch.equal(follower.gather(other).view(torch.int16), other_before.view(torch.int16))
+        finally:  # put the weight back for the tests after this one
+            follower._rpc("deltasync_apply", pack({name: {"val": held}}, text=False))
 
     def test_bad_deltas_refused_and_outputs_unchanged(self, plain_run, tmp_path: Path) -> None:
         llm, follower, sub, trainer, pub = plain_run

@@ -12,7 +12,8 @@ Modules by layer (each imports only its own layer and those below):
   positions) on this rank. ``mapping`` (engine-agnostic index maps, boxes,
   tables, and the registry of parameter layouts), ``vllm_mapping`` (probing
   vLLM's weight loaders).
-- apply: ``apply`` (check every entry, then write; ``check_header``).
+- apply: ``apply`` (check every entry, then write; ``check_header``), ``worker_decode`` (a version's
+  files decoded by the rank that holds every element, against its own weights).
 - transport: ``wire`` (RPC encoding), ``vllm_rpc`` (in-process vs server
   engine), ``vllm_prefetch`` (downloaded deltas seen early), ``vllm_follower``
   (the follower loop and its command line), ``vllm`` (the worker extension),

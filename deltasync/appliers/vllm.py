@@ -38,6 +38,7 @@ Limitations:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import time
@@ -47,7 +48,8 @@ from typing import Any
 
 import torch
 
-from .apply import plan_patches, read_bits, write_patches
+from ..errors import DeltaSyncError
+from .apply import Patch, plan_patches, read_bits, write_patches
 from .cpu_experts import install_expert_hooks
 from .cpu_hooks import (
     PLAIN_WEIGHTS_ENV,
@@ -61,6 +63,7 @@ from .mapping import IndexMap
 from .verify import VERIFY_SAMPLES, check_written, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
 from .wire import pack, specs_from_json, unpack
+from .worker_decode import decode_here, refusal_to_json, warm_decoder
 
 __all__ = ["DeltaSyncWorkerExtension", "PLAIN_WEIGHTS_ENV", "install_cpu_hooks"]
 
@@ -95,6 +98,7 @@ class DeltaSyncWorkerExtension:
         with plain_weights_attached(model):
             index = probe_index_map(model, specs, params)
         self._deltasync_index = index
+        warm_decoder()  # this rank may decode deltas itself: its first one should not wait for the kernels
         self._deltasync_dtypes = {s.name: s.torch_dtype for s in specs}
         self._deltasync_version: int | None = getattr(self, "_deltasync_version", None)
         mapped_ms = 1e3 * (time.perf_counter() - started)
@@ -147,8 +151,32 @@ class DeltaSyncWorkerExtension:
         ``wrong`` lists every tensor that reads back wrong, ``verify_ms`` the cost.
         """
         started = time.perf_counter()
+        return self._deltasync_write(plan_patches(_require_index(self), unpack(payload)), version, verify, started)
+
+    def deltasync_apply_files(
+        self, files: list[bytes | str], kind: str, version: int | str | None = None, verify: int = VERIFY_SAMPLES
+    ) -> dict[str, Any]:
+        """Decode the files of one version here, against this rank's own weights, then write as
+        :meth:`deltasync_apply` does (for an engine whose one rank holds every element).
+
+        Nothing is written unless every file decodes exactly and every tensor's values match the
+        publisher's digest; a refusal comes back as ``refused`` (:func:`~.worker_decode.refusal_to_json`).
+        """
+        started = time.perf_counter()
         index = _require_index(self)
-        patches = plan_patches(index, unpack(payload))
+        try:  # every check before the first write
+            blobs = [base64.b64decode(f) if isinstance(f, str) else f for f in files]
+            patches = plan_patches(index, decode_here(index, blobs, whole=kind == "anchor"))
+        except DeltaSyncError as exc:
+            return {"rank": _rank(self), "refused": refusal_to_json(exc)}
+        decoded_ms = 1e3 * (time.perf_counter() - started)
+        return self._deltasync_write(patches, version, verify, started) | {"decode_ms": decoded_ms}
+
+    def _deltasync_write(
+        self, patches: list[Patch], version: int | str | None, verify: int, started: float
+    ) -> dict[str, Any]:
+        """Write checked ``patches``, re-pack what they touched and read them back (both applies end here)."""
+        index = _require_index(self)
         with torch.no_grad():
             self._deltasync_written = True
             written, touched = write_patches(index, patches)

@@ -4,10 +4,16 @@
 ``LLM``, or beside a ``vllm serve`` server started with the worker extension
 and ``VLLM_SERVER_DEV_MODE=1`` (it then talks to ``/collective_rpc``,
 ``/pause``, ``/resume`` and ``/update_weight_version``). Deltas are downloaded
-and decoded once per node, here; the workers only read and write the changed
+and validated once per node, here; the workers only read and write the changed
 elements (:mod:`deltasync.appliers.vllm`).
 
-Per version, two ``collective_rpc`` round trips carry O(changed elements):
+An engine of one rank takes a delta's files whole, validated here
+(``deltasync_apply_files``): the worker decodes them against its own weights,
+checks every value against the publisher's digests before it writes
+(:mod:`.worker_decode`), and answers with a typed refusal if any check fails.
+One round trip carries a byte or two per changed element. Otherwise (several
+ranks, a LoRA run, anchors), per version, two ``collective_rpc`` round trips
+carry O(changed elements):
 
 1. ``deltasync_lookup``: every rank returns the current bits of the changed
    elements it holds; the follower merges them (every element must be held by
@@ -55,12 +61,13 @@ Limitations:
 from __future__ import annotations
 
 import argparse
+import base64
 import bisect
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,7 +88,8 @@ from .verify import VERIFY_SAMPLES, check_proofs
 from .vllm_lora import LORA_NAME, AdapterHost
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
 from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine, parse_version_label, version_label
-from .wire import pack, specs_to_json, unpack
+from .wire import pack, patch_batches, specs_to_json, unpack
+from .worker_decode import refusal_from_json
 
 __all__ = [
     "VLLMFollower",
@@ -128,6 +136,9 @@ class VLLMFollower:
             ``lora_request=follower.lora_request`` (the ``LLM`` needs ``enable_lora=True``); a server serves
             it as ``model=lora_name`` (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
         lora_name (`str`, *optional*, defaults to ``"deltasync"``): the adapter's name on a server.
+        decode_in_worker (`bool`, *optional*, defaults to True): an engine of one rank decodes each delta's
+            files against its own weights (:meth:`takes_files`); ``False`` decodes them here, as for
+            several ranks.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
@@ -158,6 +169,7 @@ class VLLMFollower:
         verify: int = VERIFY_SAMPLES,
         lora: Any = None,
         lora_name: str = LORA_NAME,
+        decode_in_worker: bool = True,
     ) -> None:
         if mode not in ("inflight", "pause"):
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
@@ -167,6 +179,7 @@ class VLLMFollower:
         self.mode, self.pause_mode = mode, pause_mode
         check_int("verify", verify, low=0)
         self.verify = verify
+        self.decode_in_worker = decode_in_worker
         self.model_dir = Path(model).resolve()
         self.engine_specs = {s.name: s for s in checkpoint_specs(model, dtype=dtype)}
         """The checkpoint's tensors: what the engine holds."""
@@ -269,18 +282,42 @@ class VLLMFollower:
         version = self._pending
         self._step, self._bases, self._prefetched = [], {}, False
         factors = {n: p for n, p in decoded.items() if n not in self.engine_specs}  # a LoRA run's adapter
-        batches = list(self._batches({n: p for n, p in decoded.items() if n in self.engine_specs}))
+        batches = list(patch_batches({n: p for n, p in decoded.items() if n in self.engine_specs}, RPC_BATCH_BYTES))
+        text = self._engine.text
+        self._on_ranks([("deltasync_apply", (pack(batch, text=text), version if i == len(batches) - 1 else None,
+                                             self.verify)) for i, batch in enumerate(batches)], version, factors)
+
+    def takes_files(self, kind: str) -> bool:
+        """Deltas go whole to an engine of one rank (no LoRA adapter): it decodes them against its own weights
+        (:mod:`.worker_decode`), one RPC of the files instead of one for the bases and one for the patches."""
+        return self.decode_in_worker and kind == "delta" and len(self.ranks) == 1 and self.adapter is None
+
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
+        """Send one version's validated files to the rank that decodes and writes them (:meth:`takes_files`).
+
+        Returns the typed error that rank refused them with before writing anything, else ``None``."""
+        version = self._pending
+        self._step, self._bases, self._prefetched = [], {}, False
+        text = self._engine.text
+        files = [base64.b64encode(b).decode("ascii") if text else bytes(b) for b in blobs]
+        return self._on_ranks([("deltasync_apply_files", (files, kind, version, self.verify))], version, {})
+
+    def _on_ranks(
+        self, calls: list[tuple[str, tuple[Any, ...]]], version: int | None, factors: Mapping[str, Decoded]
+    ) -> DeltaSyncError | None:
+        """Make the write ``calls`` (the engine paused where it must be), check every rank read its patches
+        back right, then the adapter, the prefix cache and the version label."""
         paused = False
         try:
             if self.mode == "pause" or isinstance(self._engine, ServerEngine):
                 self._engine.pause(self.pause_mode if self.mode == "pause" else "keep")
                 paused = True
-            totals = {"ms": 0.0, "verify_ms": 0.0, "verified": 0.0}
-            for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                answers = self._rpc(
-                    "deltasync_apply", pack(batch, text=self._engine.text), version if last else None, self.verify
-                )
+            totals = {"ms": 0.0, "verify_ms": 0.0, "verified": 0.0, "decode_ms": 0.0}
+            for method, args in calls:
+                answers = self._rpc(method, *args)
+                refused = [a["refused"] for a in answers if a.get("refused")]
+                if refused:  # refused before any write: the engine holds what it held
+                    return refusal_from_json(refused[0])
                 wrong = [w for a in answers for w in a.get("wrong", [])]
                 if wrong:
                     lines = [f"{w['tensor']} in {w['param']}: {w['wrong']} of {w['read']} read back wrong"
@@ -290,8 +327,8 @@ class VLLMFollower:
                         f"engine is not exact; restart it: {'; '.join(lines[:5])}",
                         name=wrong[0]["param"],
                     )
-                totals["ms"] += max(a["ms"] for a in answers)
-                totals["verify_ms"] += max(a.get("verify_ms", 0.0) for a in answers)
+                for key in ("ms", "verify_ms", "decode_ms"):
+                    totals[key] += max(a.get(key, 0.0) for a in answers)
                 totals["verified"] += sum(a.get("verified", 0) for a in answers)
             self.last_apply = totals
             if self.adapter is not None:
@@ -305,6 +342,7 @@ class VLLMFollower:
                 self._engine.resume()
         if version is not None:
             self.history.append((version, time.time()))
+        return None
 
     # ------------------------------------------------------------------ versions
 
@@ -372,20 +410,6 @@ class VLLMFollower:
                 )
             out[name] = bits
         return out
-
-    def _batches(self, decoded: Mapping[str, Decoded]) -> Iterator[dict[str, dict[str, np.ndarray]]]:
-        batch: dict[str, dict[str, np.ndarray]] = {}
-        size = 0
-        for name, patch in decoded.items():
-            parts = {"val": np.ascontiguousarray(patch.values)}
-            if patch.indices is not None:
-                parts["idx"] = np.ascontiguousarray(patch.indices, dtype=np.int64)
-            nbytes = sum(a.nbytes for a in parts.values())
-            if batch and size + nbytes > RPC_BATCH_BYTES:
-                yield batch
-                batch, size = {}, 0
-            batch[name], size = parts, size + nbytes
-        yield batch
 
     def gather(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import safetensors.numpy
@@ -28,7 +29,7 @@ import safetensors.torch
 from ..errors import DeltaFormatError
 from ..tensors import TensorSpec
 
-__all__ = ["pack", "unpack", "specs_to_json", "specs_from_json"]
+__all__ = ["pack", "unpack", "patch_batches", "specs_to_json", "specs_from_json"]
 
 
 def pack(arrays: Mapping[str, Mapping[str, np.ndarray]], *, text: bool) -> bytes | str:
@@ -55,6 +56,23 @@ def unpack(blob: bytes | str) -> dict[str, dict[str, np.ndarray]]:
             raise DeltaFormatError(f"malformed RPC payload entry {key!r}")
         out.setdefault(name, {})[part] = array
     return out
+
+
+def patch_batches(decoded: Mapping[str, Any], limit: int) -> Iterator[dict[str, dict[str, np.ndarray]]]:
+    """Decoded patches (``indices``, ``values``; no indices: a whole tensor) as payloads of about ``limit``
+    bytes each, for :func:`pack`: one call's blob stays bounded (a tensor larger than ``limit`` goes alone)."""
+    batch: dict[str, dict[str, np.ndarray]] = {}
+    size = 0
+    for name, patch in decoded.items():
+        parts = {"val": np.ascontiguousarray(patch.values)}
+        if patch.indices is not None:
+            parts["idx"] = np.ascontiguousarray(patch.indices, dtype=np.int64)
+        nbytes = sum(a.nbytes for a in parts.values())
+        if batch and size + nbytes > limit:
+            yield batch
+            batch, size = {}, 0
+        batch[name], size = parts, size + nbytes
+    yield batch
 
 
 def specs_to_json(specs: Iterable[TensorSpec]) -> str:
