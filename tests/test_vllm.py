@@ -62,6 +62,12 @@ class TestPlainWeights:
         _, follower, *_ = plain_run
         (rank,) = follower.ranks
         assert rank["cpu_hooks"] == "plain" and rank["repacked_layers"] == [] and rank["tables"] == []
+        assert rank["decodes_files"] and follower.takes_files("delta") and not follower.takes_files("anchor")
+        follower.ranks = [rank | {"decodes_files": False}]  # an older worker extension: the follower decodes
+        try:
+            assert not follower.takes_files("delta")
+        finally:
+            follower.ranks = [rank]
         assert sum(rank["counts"].values()) == sum(s.numel for s in follower.specs.values())
 
     def test_real_deltas_exact_and_generations_match(self, plain_run) -> None:

@@ -128,6 +128,7 @@ class DeltaSyncWorkerExtension:
             # Runtime parameters no checkpoint element reaches: deltas could never update them.
             "unreached": sorted(set(params) - reached),
             "map_ms": mapped_ms,
+            "decodes_files": True,  # it answers deltasync_apply_files (a follower checks before sending files)
             "ms": 1e3 * (time.perf_counter() - started),
         }
 

@@ -288,9 +288,11 @@ class VLLMFollower:
                                              self.verify)) for i, batch in enumerate(batches)], version, factors)
 
     def takes_files(self, kind: str) -> bool:
-        """Deltas go whole to an engine of one rank (no LoRA adapter): it decodes them against its own weights
-        (:mod:`.worker_decode`), one RPC of the files instead of one for the bases and one for the patches."""
-        return self.decode_in_worker and kind == "delta" and len(self.ranks) == 1 and self.adapter is None
+        """Deltas go whole to an engine of one rank (no LoRA adapter) whose worker extension decodes files (an
+        older one does not say so): it decodes them against its own weights (:mod:`.worker_decode`), one RPC
+        of the files instead of one for the bases and one for the patches."""
+        one = len(self.ranks) == 1 and bool(self.ranks[0].get("decodes_files"))
+        return self.decode_in_worker and kind == "delta" and one and self.adapter is None
 
     def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
         """Send one version's validated files to the rank that decodes and writes them (:meth:`takes_files`).
