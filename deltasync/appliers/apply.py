@@ -30,7 +30,7 @@ Limitations:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +47,7 @@ __all__ = [
     "plan_patches",
     "write_patches",
     "read_bits",
+    "merge_bits",
     "read_through",
     "checked_indices",
     "bits_numpy_dtype",
@@ -190,6 +191,26 @@ def read_bits(index: IndexMap, payload: Payload) -> dict[str, dict[str, np.ndarr
         spec = index.specs[name]
         out[name] = _read(targets, spec, checked_indices(parts.get("idx"), spec))
     return out
+
+
+def merge_bits(
+    spec: TensorSpec, count: int, answers: Iterable[Mapping[str, np.ndarray] | None], *, missing: str
+) -> np.ndarray:
+    """The bits at ``count`` requested indices of ``spec``, put together from :func:`read_bits` answers
+    (``pos`` into the request, ``bits``: one per rank, or ``None`` where a rank holds none of it).
+
+    Raises:
+        `TensorMismatch`: some requested element is in no answer (``"{name}: {n} {missing}"``).
+    """
+    bits = np.zeros(count, dtype=bits_numpy_dtype(spec))
+    covered = np.zeros(count, dtype=bool)
+    for got in answers:
+        if got is not None and got["pos"].size:
+            bits[got["pos"]] = got["bits"]
+            covered[got["pos"]] = True
+    if not covered.all():
+        raise TensorMismatch(f"{spec.name}: {int((~covered).sum())} {missing}", name=spec.name)
+    return bits
 
 
 def read_through(target: Target, idx: torch.Tensor, published: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:

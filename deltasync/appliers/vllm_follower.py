@@ -81,7 +81,7 @@ from ..options import check_int
 from ..stopping import run_until_signal
 from ..stores import Store, open_store
 from ..tensors import fingerprint
-from .apply import check_header
+from .apply import check_header, merge_bits
 from .checkpoint_files import checkpoint_specs
 from .mapping import uncovered_elements
 from .verify import VERIFY_SAMPLES, check_proofs
@@ -394,36 +394,17 @@ class VLLMFollower:
     def _lookup_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         payload = pack({n: {"idx": np.asarray(i, dtype=np.int64)} for n, i in wanted.items()}, text=self._engine.text)
         answers = [unpack(a["data"]) for a in self._rpc("deltasync_lookup", payload)]
-        out = {}
-        for name, indices in wanted.items():
-            spec = self.engine_specs[name]
-            bits = np.zeros(len(indices), dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
-            covered = np.zeros(len(indices), dtype=bool)
-            for answer in answers:
-                got = answer.get(name)
-                if got is None or not got["pos"].size:
-                    continue
-                bits[got["pos"]] = got["bits"]
-                covered[got["pos"]] = True
-            if not covered.all():
-                raise TensorMismatch(
-                    f"{name}: {int((~covered).sum())} changed elements are held by no rank of the engine",
-                    name=name,
-                )
-            out[name] = bits
-        return out
+        return {
+            name: merge_bits(self.engine_specs[name], len(indices), (a.get(name) for a in answers),
+                             missing="changed elements are held by no rank of the engine")
+            for name, indices in wanted.items()
+        }
 
     def gather(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""
         spec = self.engine_specs[name]
-        bits = np.zeros(spec.numel, dtype=np.int16 if spec.torch_dtype.itemsize == 2 else np.int32)
-        covered = np.zeros(spec.numel, dtype=bool)
-        for answer in self._rpc("deltasync_gather", name, self._engine.text):
-            got = unpack(answer["data"])[name]
-            bits[got["pos"]] = got["bits"]
-            covered[got["pos"]] = True
-        if not covered.all():
-            raise TensorMismatch(f"{name}: {int((~covered).sum())} elements held by no rank", name=name)
+        answers = (unpack(a["data"])[name] for a in self._rpc("deltasync_gather", name, self._engine.text))
+        bits = merge_bits(spec, spec.numel, answers, missing="elements held by no rank")
         return torch.from_numpy(bits).view(spec.torch_dtype).view(spec.shape)
 
 

@@ -29,7 +29,7 @@ import safetensors.torch
 from ..errors import DeltaFormatError
 from ..tensors import TensorSpec
 
-__all__ = ["pack", "unpack", "patch_batches", "specs_to_json", "specs_from_json"]
+__all__ = ["pack", "unpack", "patch_batches", "patch_parts", "specs_to_json", "specs_from_json"]
 
 
 def pack(arrays: Mapping[str, Mapping[str, np.ndarray]], *, text: bool) -> bytes | str:
@@ -64,15 +64,21 @@ def patch_batches(decoded: Mapping[str, Any], limit: int) -> Iterator[dict[str, 
     batch: dict[str, dict[str, np.ndarray]] = {}
     size = 0
     for name, patch in decoded.items():
-        parts = {"val": np.ascontiguousarray(patch.values)}
-        if patch.indices is not None:
-            parts["idx"] = np.ascontiguousarray(patch.indices, dtype=np.int64)
+        parts = patch_parts(patch)
         nbytes = sum(a.nbytes for a in parts.values())
         if batch and size + nbytes > limit:
             yield batch
             batch, size = {}, 0
         batch[name], size = parts, size + nbytes
     yield batch
+
+
+def patch_parts(patch: Any) -> dict[str, np.ndarray]:
+    """One decoded patch as payload parts: ``val`` (bits), and ``idx`` (int64) unless it is a whole tensor."""
+    parts = {"val": np.ascontiguousarray(patch.values)}
+    if patch.indices is not None:
+        parts["idx"] = np.ascontiguousarray(patch.indices, dtype=np.int64)
+    return parts
 
 
 def specs_to_json(specs: Iterable[TensorSpec]) -> str:

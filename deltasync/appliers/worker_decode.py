@@ -26,10 +26,11 @@ import torch
 
 from .. import errors
 from ..diff import Snapshot, diff
-from ..errors import DeltaSyncError, TensorMismatch
+from ..errors import DeltaSyncError
 from ..format import combine, decode, encode_delta
-from .apply import Payload, bits_numpy_dtype, checked_indices, read_through
+from .apply import Payload, merge_bits, read_bits
 from .mapping import IndexMap
+from .wire import patch_parts
 
 __all__ = ["decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
 
@@ -52,33 +53,12 @@ def decode_here(index: IndexMap, files: Sequence[bytes | memoryview], *, whole: 
     """
 
     def lookup(name: str, indices: np.ndarray) -> np.ndarray:
-        targets = index.targets.get(name)
-        if targets is None:
-            raise TensorMismatch(f"unknown tensor {name!r}; this engine does not hold it", name=name)
-        spec = index.specs[name]
-        idx = checked_indices(np.ascontiguousarray(indices, dtype=np.int64), spec)
-        bits = np.zeros(idx.numel(), dtype=bits_numpy_dtype(spec))
-        covered = np.zeros(idx.numel(), dtype=bool)
-        for target in targets:
-            pos, got = read_through(target, idx, spec.torch_dtype)
-            where = slice(None) if pos is None else pos.numpy()
-            bits[where] = got.numpy()
-            covered[where] = True
-        if not covered.all():
-            raise TensorMismatch(
-                f"{name}: {int((~covered).sum())} changed elements are not held by this rank", name=name
-            )
-        return bits
+        request = np.ascontiguousarray(indices, dtype=np.int64)
+        held = read_bits(index, {name: {"idx": request}})[name]  # checked: a known name, indices in bounds
+        return merge_bits(index.specs[name], request.size, [held], missing="changed elements are not held by this rank")
 
     parts = [decode(bytearray(f), base=lookup) for f in files]  # writable: its streams are viewed in place
-    decoded = combine(parts, whole=whole)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for name, patch in decoded.items():
-        values = _array(patch.values)
-        out[name] = {"val": values} if patch.indices is None else {
-            "idx": _array(patch.indices).astype(np.int64, copy=False), "val": values,
-        }
-    return out
+    return {name: patch_parts(patch) for name, patch in combine(parts, whole=whole).items()}
 
 
 def warm_decoder() -> None:
@@ -112,7 +92,3 @@ def refusal_from_json(raw: dict[str, Any]) -> DeltaSyncError:
         return cls(str(raw.get("message")), **dict(raw.get("context") or {}))
     except TypeError:  # a class whose constructor wants other arguments
         return DeltaSyncError(str(raw.get("message")))
-
-
-def _array(data: np.ndarray | torch.Tensor) -> np.ndarray:
-    return data.cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
