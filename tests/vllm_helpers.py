@@ -86,17 +86,6 @@ def greedy(llm: Any, prompts: list[str] = PROMPTS, tokens: int = 8, logprobs: in
     ]
 
 
-def hf_greedy(model: torch.nn.Module, tokenizer: Any, prompts: list[str] = PROMPTS, tokens: int = 8) -> list[list[int]]:
-    """Greedy continuations from a transformers model, one prompt at a time (no padding)."""
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            out.append(gen[0, ids.shape[1] :].tolist())
-    return out
-
-
 class Trainer:
     """An fp32 transformers model trained with AdamW on a few sentences (real, non-trivial deltas)."""
 
@@ -124,12 +113,6 @@ class Trainer:
         from deltasync.tensors import published_tensors
 
         return {n: p.detach().to(torch.bfloat16) for n, p in published_tensors(self.model)}
-
-    def bf16_model(self) -> torch.nn.Module:
-        """A bf16 copy of the model (for reference generations)."""
-        import copy
-
-        return copy.deepcopy(self.model).to(torch.bfloat16).eval()
 
 
 def latest(store_url: str) -> tuple[str, int]:
