@@ -14,6 +14,8 @@ median of ``--repeats`` runs with the spread (min, max):
 | decode, device path | the same through the path of a replica on an accelerator (``stage=True`` on a CPU): rebuilt on the weights' device, and how many times the host waits | the same |
 | replica apply | ``TorchModuleApplier.apply`` of what the replica's decode gave (on an accelerator: patches already there) | the faster of ``index_copy_`` and ``index_put_`` of the same changes (indices and values already on the device; with their host-to-device copy on a GPU) |
 | apply, staged | patches decoded on the host (other codecs) with ``stage=True``: every patch through one host buffer per kind and one copy each to the device | the same |
+| decode, vLLM rank | what the worker of a one-rank vLLM engine does with a version's files: ``decode_here`` against its weights read through its index map, on the device path (as on a GPU; forced on a CPU), and its host waits | the decode floor |
+| apply, vLLM rank | that worker's write of the patches (still on the device) through its map, and its read-back of 256 samples per tensor | the apply floor |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
 | anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
 
@@ -65,12 +67,16 @@ from _common import human_bytes, results_dir, shared_machine, table, write_json 
 
 from deltasync import Publisher, Subscriber, parallel  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.appliers.apply import write_patches  # noqa: E402
+from deltasync.appliers.mapping import IndexMap, Target  # noqa: E402
+from deltasync.appliers.verify import check_written  # noqa: E402
+from deltasync.appliers.worker_decode import decode_here  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
-from deltasync.tensors import bits_view  # noqa: E402
+from deltasync.tensors import TensorSpec, bits_view  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -255,6 +261,17 @@ def profile_stage(
     stem.with_suffix(".txt").write_text("\n\n".join(tables))
 
 
+def rank_map(weights: dict[str, torch.Tensor]) -> IndexMap:
+    """The index map of a vLLM rank that holds every tensor whole, each in a parameter of its own."""
+    index = IndexMap(TensorSpec.of(name, tensor) for name, tensor in weights.items())
+    for name, tensor in weights.items():
+        param = torch.nn.Parameter(tensor, requires_grad=False)
+        zeros = (0,) * tensor.dim()
+        index.targets[name].append(Target(param, name, tuple(tensor.shape), lo=zeros, hi=tuple(tensor.shape),
+                                          offset=zeros, flat=(0, tensor.numel(), 0)))
+    return index
+
+
 def floor_diff(model: Model, snapshot: Snapshot) -> None:
     for name, master in model.masters.items():
         torch.ne(master.to(torch.bfloat16), snapshot[name]).nonzero()
@@ -371,6 +388,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
             for n, p in host_patches.items()
         }
+        # A vLLM engine of one rank: its worker decodes the files against its weights read through its map
+        # (the device path, as on a GPU), then writes the patches and reads a sample back.
+        index = rank_map({n: t.clone() for n, t in decoder.state().items()})
+        t_rank_decode = spread(lambda: decode_here(index, [data], whole=False, on_device=True), args.repeats, device)
+        rank_waits = device_decode.host_waits()
+        rank_patches = decode_here(index, [data], whole=False, on_device=True)
+        rank_waits = device_decode.host_waits() - rank_waits
+        t_rank_apply = spread(lambda: (write_patches(index, rank_patches), check_written(index, rank_patches)),
+                              args.repeats, device)
+        rank_exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16),
+                                     t.to(torch.bfloat16).view(torch.int16)) for n, t in model.masters.items())
         targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
         if profiles:  # after its timed runs: the decode above left the replica as it was
@@ -420,8 +448,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert subscriber.version == publisher.version
         host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
         t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
-        exact = all(torch.equal(replica[n].view(torch.int16), model.masters[n].to(torch.bfloat16).view(torch.int16))
-                    for n in replica)
+        exact = rank_exact and all(
+            torch.equal(replica[n].view(torch.int16), model.masters[n].to(torch.bfloat16).view(torch.int16))
+            for n in replica
+        )
         publisher.close()
         delta_bytes = len(data)
         rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"],
@@ -438,10 +468,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "changes_per_s": nnz / t_decode_one["median"], "threads": 1,
                                     "floor_changes_per_s": nnz / t_floor_decode_one["median"],
                                     "spread": [t_decode_one, t_floor_decode_one, t_floor_decompress]}
-        rows["decode, device path"] = {"deltasync": t_decode_device["median"], **floors,
-                                       "changes_per_s": nnz / t_decode_device["median"], "threads": threads,
-                                       "host_waits": decode_waits, "tensors": len(model.masters),
-                                       "spread": [t_decode_device, t_floor_decode, t_floor_decompress]}
+
+        def device_row(timed: dict[str, float], waits: int) -> dict[str, Any]:
+            """A decode on the device path: its rate and how many times the host waited."""
+            return {"deltasync": timed["median"], **floors, "changes_per_s": nnz / timed["median"],
+                    "threads": threads, "host_waits": waits, "tensors": len(model.masters),
+                    "spread": [timed, t_floor_decode, t_floor_decompress]}
+
+        rows["decode, device path"] = device_row(t_decode_device, decode_waits)
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"],
                          "floor_index_copy": t_floor_copy["median"], "floor_index_put": t_floor_put["median"],
@@ -449,6 +483,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
                                  "floor_with_copy": t_floor_h2d_apply["median"],
                                  "spread": [t_apply_staged, t_floor_apply]}
+        rows["decode, vLLM rank"] = device_row(t_rank_decode, rank_waits)
+        rows["apply, vLLM rank"] = {"deltasync": t_rank_apply["median"], "floor": t_floor_apply["median"],
+                                    "floor_with_copy": t_floor_h2d_apply["median"],
+                                    "spread": [t_rank_apply, t_floor_apply]}
         rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
                                 "parts": {stage: statistics.median(p[k] for p in parts)
                                           for k, stage in enumerate(("fetch", "decode", "apply"))},

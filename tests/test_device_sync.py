@@ -24,11 +24,12 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
         "anchor publish", "anchor publish, periodic", "anchor load", "anchor publish, one part",
         "anchor publish, periodic, one part", "anchor load, one part",
         "diff", "diff, device path", "decode", "decode, 1 thread", "decode, device path", "apply",
-        "apply, staged", "whole update",
+        "apply, staged", "decode, vLLM rank", "apply, vLLM rank", "whole update",
     }
     assert result["stages"]["diff, device path"]["host_waits"] == 2  # whatever the number of tensors
     rebuilt = result["stages"]["decode, device path"]
     assert rebuilt["host_waits"] == 1 and rebuilt["tensors"] == 64  # one wait for the file, not one per tensor
+    assert result["stages"]["decode, vLLM rank"]["host_waits"] == 1  # through a rank's index map too
     one = result["stages"]["decode, 1 thread"]
     assert one["threads"] == 1 and one["floor_changes_per_s"] > 0  # the per-core floor, also on one core
     assert "floor" in done.stdout.split("decode, 1 thread")[1].splitlines()[0]

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from deltasync.appliers.apply import plan_patches, write_patches
+from deltasync.appliers.apply import write_patches
 from deltasync.appliers.mapping import IndexMap, Target
+from deltasync.appliers.verify import check_written
 from deltasync.appliers.worker_decode import decode_here, refusal_from_json, refusal_to_json, warm_decoder
 from deltasync.diff import Snapshot, diff
 from deltasync.errors import DeltaSyncError, IntegrityError, TensorMismatch
@@ -53,47 +53,92 @@ def _delta(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> bytes:
     return encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0)
 
 
-def test_a_delta_decoded_against_the_rank_s_own_weights_writes_them_exactly() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device-path"])
+def test_a_delta_decoded_against_the_rank_s_own_weights_writes_them_exactly(on_device: bool) -> None:
     old = _weights()
     new = _step(old)
     index, fused = _engine(old)
-    payload = decode_here(index, [_delta(old, new)], whole=False)
-    assert set(payload) == {"q.weight", "k.weight"} and all(p["idx"].dtype == np.int64 for p in payload.values())
-    write_patches(index, plan_patches(index, payload))
+    patches = decode_here(index, [_delta(old, new)], whole=False, on_device=on_device)
+    assert {p.name for p in patches} == {"q.weight", "k.weight"}
+    assert all(p.indices is not None and p.indices.dtype == torch.int64 for p in patches)
+    write_patches(index, patches)
     expected = torch.cat([new["q.weight"], new["k.weight"]])
     assert torch.equal(fused.data.view(torch.int16), expected.view(torch.int16))
+    assert check_written(index, patches) == (sum(p.indices.numel() for p in patches), [])
 
 
 def test_an_anchor_decodes_to_whole_tensors() -> None:
     old, new = _weights(), _weights(seed=5)
     index, fused = _engine(old)
     anchor = encode_anchor(new, version=3)
-    payload = decode_here(index, [anchor], whole=True)
-    assert all(set(p) == {"val"} for p in payload.values())
-    write_patches(index, plan_patches(index, payload))
+    patches = decode_here(index, [anchor], whole=True, on_device=True)  # anchors decode on the host either way
+    assert all(p.indices is None for p in patches)
+    write_patches(index, patches)
     assert torch.equal(fused.data.view(torch.int16), torch.cat([new["q.weight"], new["k.weight"]]).view(torch.int16))
 
 
-def test_other_weights_than_the_delta_s_base_are_refused_before_anything_is_written() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device-path"])
+def test_other_weights_than_the_delta_s_base_are_refused_before_anything_is_written(on_device: bool) -> None:
     old = _weights()
     new = _step(old)
     index, fused = _engine(old)
     fused.data.view(torch.int16).view(-1)[:] += 1  # changed behind deltasync's back: not the delta's base
     held = fused.data.clone()
     with pytest.raises(IntegrityError, match="base version"):
-        decode_here(index, [_delta(old, new)], whole=False)
+        decode_here(index, [_delta(old, new)], whole=False, on_device=on_device)
     assert torch.equal(fused.data.view(torch.int16), held.view(torch.int16))
 
 
-def test_a_change_to_an_element_the_rank_does_not_hold_is_refused() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device-path"])
+def test_a_change_to_an_element_the_rank_does_not_hold_is_refused(on_device: bool) -> None:
     old = _weights()
     new = dict(old)
     bits = old["k.weight"].clone().view(torch.int16)
     bits[3, 5] += 1  # in k's last row, which this rank does not hold
     new["k.weight"] = bits.view(torch.bfloat16)
     index, _ = _engine(old, k_rows=3)
-    with pytest.raises(TensorMismatch, match="not held by this rank"):
-        decode_here(index, [_delta(old, new)], whole=False)
+    with pytest.raises(TensorMismatch, match="k.weight: 1 changed elements are not held by this rank"):
+        decode_here(index, [_delta(old, new)], whole=False, on_device=on_device)
+
+
+def _split_engine(weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
+    """q's rows in two runtime parameters (boxes, the second shifted down two rows, a row held twice),
+    k stored transposed (an explicit table): every read on the device path is masked and merged."""
+    specs = [TensorSpec.of(name, tensor) for name, tensor in weights.items()]
+    index = IndexMap(specs)
+    q, k = weights["q.weight"], weights["k.weight"]
+    top = torch.nn.Parameter(q[:5].clone(), requires_grad=False)
+    bottom = torch.nn.Parameter(torch.cat([torch.zeros(2, 16, dtype=q.dtype), q[4:]]), requires_grad=False)
+    k_t = torch.nn.Parameter(k.t().contiguous(), requires_grad=False)
+    index.targets["q.weight"] += [
+        Target(top, "top", q.shape, lo=(0, 0), hi=(5, 16), offset=(0, 0)),
+        Target(bottom, "bottom", q.shape, lo=(4, 0), hi=(8, 16), offset=(-2, 0)),
+    ]
+    keys = torch.arange(k.numel())
+    index.targets["k.weight"].append(Target(k_t, "k_t", k.shape, table=(keys, (keys % 16) * 4 + keys // 16)))
+    return index, {"top": top, "bottom": bottom, "k_t": k_t}
+
+
+def test_the_device_path_reads_and_writes_through_boxes_and_tables_exactly() -> None:
+    old = _weights()
+    new = _step(old)
+    host_index, _ = _split_engine(old)
+    index, params = _split_engine(old)
+    want = decode_here(host_index, [_delta(old, new)], whole=False, on_device=False)
+    got = decode_here(index, [_delta(old, new)], whole=False, on_device=True)
+    for a, b in zip(want, got):
+        assert a.name == b.name and torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    write_patches(index, got)
+    q, k = new["q.weight"].view(torch.int16), new["k.weight"].view(torch.int16)
+    assert torch.equal(params["top"].data.view(torch.int16), q[:5])
+    assert torch.equal(params["bottom"].data.view(torch.int16)[2:], q[4:])
+    assert torch.equal(params["k_t"].data.view(torch.int16), k.t())
+    assert check_written(index, got)[1] == []
+    k_patch = next(p for p in got if p.name == "k.weight")
+    first = int(k_patch.indices[0])
+    params["k_t"].data.view(torch.int16).view(-1)[(first % 16) * 4 + first // 16] += 1  # a write that did not land
+    checked, wrong = check_written(index, [k_patch], samples=10_000)
+    assert wrong == [{"tensor": "k.weight", "param": "k_t", "wrong": 1, "read": checked}]
 
 
 def test_a_refusal_crosses_as_data_and_comes_back_as_its_own_class() -> None:
@@ -112,3 +157,46 @@ def test_the_warm_up_decodes_through_the_same_kernels_without_touching_anything(
 
     warm_decoder()
     assert kernels._JIT is not None  # loaded: a rank's first real decode finds them ready
+
+
+def _many(count: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(count)
+    return {f"layer{i}.weight": (torch.randn(64, 32, generator=gen) * 0.02).to(torch.bfloat16) for i in range(count)}
+
+
+def _on(device: str, weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
+    """Each tensor whole in a runtime parameter of its own on ``device``."""
+    index = IndexMap([TensorSpec.of(name, tensor) for name, tensor in weights.items()])
+    params = {}
+    for name, tensor in weights.items():
+        params[name] = torch.nn.Parameter(tensor.to(device), requires_grad=False)
+        index.targets[name].append(Target(params[name], name, tuple(tensor.shape), lo=(0, 0), hi=tuple(tensor.shape),
+                                          offset=(0, 0), flat=(0, tensor.numel(), 0)))
+    return index, params
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_often_for_40_tensors_as_for_8() -> None:
+    import warnings
+
+    syncs = []
+    for count in (8, 40):
+        old = _many(count)
+        new = _step(old)
+        data = _delta(old, new)
+        index, params = _on("cuda", old)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                patches = decode_here(index, [data], whole=False)  # the device path: weights on an accelerator
+                write_patches(index, patches)
+                checked, wrong = check_written(index, patches)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        assert all(p.values.device.type == "cuda" for p in patches) and wrong == [] and checked > 0
+        for name, param in params.items():
+            assert torch.equal(param.data.cpu().view(torch.int16), new[name].view(torch.int16)), name
+    assert syncs[0] == syncs[1], syncs

@@ -200,28 +200,36 @@ class Target:
 
     def translate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Positions in ``idx`` owned here (``None``: all of them) and their runtime flat indices."""
+        owned, runtime = self.locate(idx)
+        if owned is None:
+            return None, runtime
+        pos = owned.nonzero().squeeze(1)  # the one host wait: how many are owned
+        return pos, runtime[pos]
+
+    def locate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Which of ``idx`` are owned here (a mask; ``None``: all of them) and a runtime flat index for
+        every one of them, without waiting for the device: an index not owned here gets some element of
+        the parameter (always in bounds), to be masked out by the caller."""
         if self.flat is not None:
             a, b, shift = self.flat
             if a == 0 and b == int(np.prod(self.ckpt_shape)):  # the whole tensor, shifted: no mask
                 return None, idx + shift if shift else idx
-            pos = ((idx >= a) & (idx < b)).nonzero().squeeze(1)
-            return pos, idx[pos] + shift
+            return (idx >= a) & (idx < b), idx.clamp(a, b - 1) + shift
         if self.table is not None:
             keys, values = self.table
-            at = torch.searchsorted(keys, idx).clamp_(max=max(keys.numel() - 1, 0))
-            pos = (keys[at] == idx).nonzero().squeeze(1) if keys.numel() else idx.new_empty(0)
-            return pos, values[at[pos]]
+            if not keys.numel():
+                return torch.zeros_like(idx, dtype=torch.bool), torch.zeros_like(idx)
+            at = torch.searchsorted(keys, idx).clamp_(max=keys.numel() - 1)
+            return keys[at] == idx, values[at]
         assert self.lo is not None and self.hi is not None and self.offset is not None
         coords = unravel(idx, self.ckpt_shape)
-        mask = torch.ones_like(idx, dtype=torch.bool)
-        for c, lo, hi in zip(coords, self.lo, self.hi):
-            mask &= (c >= lo) & (c < hi)
-        pos = mask.nonzero().squeeze(1)
-        runtime = torch.full_like(pos, self.base)
+        owned = torch.ones_like(idx, dtype=torch.bool)
+        runtime = torch.full_like(idx, self.base)
         trailing = strides(tuple(self.param.shape))[self.param.dim() - len(self.ckpt_shape) :]
-        for c, off, stride in zip(coords, self.offset, trailing):
-            runtime += (c[pos] + off) * stride
-        return pos, runtime
+        for c, lo, hi, off, stride in zip(coords, self.lo, self.hi, self.offset, trailing):
+            owned &= (c >= lo) & (c < hi)
+            runtime += (c.clamp(lo, hi - 1) + off) * stride
+        return owned, runtime
 
     def describe(self) -> list[Any]:
         """``["box", lo, hi]`` or ``["table", count]``: what the follower's coverage check reads."""

@@ -16,7 +16,8 @@ the replica silently. Two checks close that gap:
   back through the map, all of them for whole tensors (anchors) and ``samples``
   random positions per tensor for sparse deltas, and compared with what was
   sent. It catches writes that did not land (a stale packed copy, a view that
-  was not the storage); its cost is reported in the apply stats.
+  was not the storage); it counts mismatches where the weights live and copies
+  the counts back once per device, and its cost is reported in the apply stats.
 
 Limitations:
 
@@ -128,11 +129,12 @@ def check_written(
         back wrong: ``{"tensor", "param", "wrong", "read"}`` (JSON-able, for the RPC answer).
     """
     generator = torch.Generator().manual_seed(seed)
-    wrong: list[dict[str, object]] = []
-    checked = 0
+    # Counted where the weights live and copied back once per device: no host wait per tensor.
+    counts: dict[torch.device, list[torch.Tensor]] = {}
+    reached: list[tuple[str, str, torch.device, int]] = []  # per (patch, target): its row in counts
     for patch in patches:
         if patch.indices is None:
-            idx = torch.arange(patch.spec.numel, dtype=torch.int64)
+            idx = torch.arange(patch.spec.numel, dtype=torch.int64, device=patch.values.device)
             values = patch.values
         elif samples <= 0 or not patch.indices.numel():
             continue
@@ -140,14 +142,29 @@ def check_written(
             idx, values = patch.indices, patch.values
         else:
             pick = torch.randint(0, patch.indices.numel(), (samples,), generator=generator)
+            pick = pick.to(patch.indices.device)
             idx, values = patch.indices[pick], patch.values[pick]
         for target in index.targets[patch.name]:
-            pos, got = read_through(target, idx, patch.spec.torch_dtype)
-            want = values if pos is None else values[pos]
-            checked += int(got.numel())
-            bad = int((got != want).sum())
-            if bad:
-                wrong.append({"tensor": patch.name, "param": target.param_name, "wrong": bad, "read": int(got.numel())})
+            data = target.param.data
+            owned, runtime = target.locate(idx.to(data.device))
+            got = target.layout.read(data, runtime, patch.spec.torch_dtype)
+            differs = got != values.to(got.device)
+            if owned is None:
+                row = torch.stack([differs.sum(), torch.tensor(differs.numel(), device=got.device)])
+            else:
+                owned = owned.to(got.device)
+                row = torch.stack([(differs & owned).sum(), owned.sum()])
+            rows = counts.setdefault(got.device, [])
+            reached.append((patch.name, target.param_name, got.device, len(rows)))
+            rows.append(row)
+    found = {device: torch.stack(rows).cpu() for device, rows in counts.items()}
+    wrong: list[dict[str, object]] = []
+    checked = 0
+    for name, param, device, row in reached:
+        bad, read = (int(v) for v in found[device][row])
+        checked += read
+        if bad:
+            wrong.append({"tensor": name, "param": param, "wrong": bad, "read": read})
     return checked, wrong
 
 

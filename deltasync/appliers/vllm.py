@@ -63,7 +63,7 @@ from .mapping import IndexMap
 from .verify import VERIFY_SAMPLES, check_written, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
 from .wire import pack, specs_from_json, unpack
-from .worker_decode import decode_here, refusal_to_json, warm_decoder
+from .worker_decode import accelerator_of, decode_here, refusal_to_json, warm_decoder
 
 __all__ = ["DeltaSyncWorkerExtension", "PLAIN_WEIGHTS_ENV", "install_cpu_hooks"]
 
@@ -98,7 +98,8 @@ class DeltaSyncWorkerExtension:
         with plain_weights_attached(model):
             index = probe_index_map(model, specs, params)
         self._deltasync_index = index
-        warm_decoder()  # this rank may decode deltas itself: its first one should not wait for the kernels
+        # This rank may decode deltas itself: its first one should not wait for the kernels.
+        warm_decoder(accelerator_of(index))
         self._deltasync_dtypes = {s.name: s.torch_dtype for s in specs}
         self._deltasync_version: int | None = getattr(self, "_deltasync_version", None)
         mapped_ms = 1e3 * (time.perf_counter() - started)
@@ -167,7 +168,7 @@ class DeltaSyncWorkerExtension:
         index = _require_index(self)
         try:  # every check before the first write
             blobs = [base64.b64decode(f) if isinstance(f, str) else f for f in files]
-            patches = plan_patches(index, decode_here(index, blobs, whole=kind == "anchor"))
+            patches = decode_here(index, blobs, whole=kind == "anchor")
         except DeltaSyncError as exc:
             return {"rank": _rank(self), "refused": refusal_to_json(exc)}
         decoded_ms = 1e3 * (time.perf_counter() - started)

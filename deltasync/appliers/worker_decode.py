@@ -14,6 +14,12 @@ publisher's digest (which proves its base), and every patch fits the map
 (:func:`~.apply.plan_patches`). A refusal travels back as data
 (:func:`refusal_to_json`) and is raised on the follower's side as the same typed
 error (:func:`refusal_from_json`); nothing was written.
+
+Where the rank's weights live on an accelerator, ``compact`` tensors are rebuilt
+there (:mod:`deltasync.codec.device`), their bases read through the map on the
+device (:class:`MapReader`): the host inflates, the device does the rest, and
+the host waits once per file instead of once per tensor. The patches stay on the
+device for the write. On a CPU the host decode is faster and is the default.
 """
 
 from __future__ import annotations
@@ -25,27 +31,36 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..codec import Decoded
 from ..diff import Snapshot, diff
-from ..errors import DeltaSyncError
+from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
-from .apply import Payload, merge_bits, read_bits
-from .mapping import IndexMap
+from ..tensors import TensorSpec, bits_dtype
+from .apply import Patch, merge_bits, plan_patches, read_bits
+from .mapping import IndexMap, Target
 from .wire import patch_parts
 
-__all__ = ["decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
+__all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
+
+_MISSING = "changed elements are not held by this rank"
 
 
-def decode_here(index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool) -> Payload:
-    """Decode the files of one version against this rank's weights; nothing is written.
+def decode_here(
+    index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool, on_device: bool | None = None
+) -> list[Patch]:
+    """Decode the files of one version against this rank's weights and check the result; nothing is written.
 
     Args:
         index: this rank's map; it must hold every element the files change.
         files: the version's files (a trainer's shards: several).
         whole: the files are an anchor (every element carried exactly once).
+        on_device: rebuild ``compact`` tensors where the weights live (:class:`MapReader`); by default
+            when some weight of this rank is on an accelerator. ``True`` on a CPU takes the same path
+            (the tests' way to run it without a GPU).
 
     Returns:
-        `Payload`: ``{name: {"idx": int64 flat indices, "val": bits}}`` (no ``idx``: the whole tensor), ready
-        for :func:`~.apply.plan_patches`.
+        `list[Patch]`: checked patches (:func:`~.apply.plan_patches`), ready for
+        :func:`~.apply.write_patches`; those rebuilt on the device keep their indices and values there.
 
     Raises:
         `DeltaSyncError`: a file that does not decode exactly, values whose digest differs (this rank does
@@ -55,15 +70,108 @@ def decode_here(index: IndexMap, files: Sequence[bytes | memoryview], *, whole: 
     def lookup(name: str, indices: np.ndarray) -> np.ndarray:
         request = np.ascontiguousarray(indices, dtype=np.int64)
         held = read_bits(index, {name: {"idx": request}})[name]  # checked: a known name, indices in bounds
-        return merge_bits(index.specs[name], request.size, [held], missing="changed elements are not held by this rank")
+        return merge_bits(index.specs[name], request.size, [held], missing=_MISSING)
 
-    parts = [decode(bytearray(f), base=lookup) for f in files]  # writable: its streams are viewed in place
-    return {name: patch_parts(patch) for name, patch in combine(parts, whole=whole).items()}
+    if on_device is None:
+        on_device = accelerator_of(index) is not None
+    reader = MapReader(index) if on_device else None
+    try:  # writable copies: the streams are viewed in place
+        parts = [decode(bytearray(f), base=lookup, on_device=reader) for f in files]
+    except IntegrityError:
+        if reader is not None:
+            reader.check_held()  # a base read where the rank holds nothing says so, not "wrong base"
+        raise
+    if reader is not None:
+        reader.check_held()
+    decoded = combine(parts, whole=whole)
+    return [_patch(index, name, patch) for name, patch in decoded.items()]
 
 
-def warm_decoder() -> None:
+def _patch(index: IndexMap, name: str, patch: Decoded) -> Patch:
+    """A checked patch: from the device path as it is (the decoder checked its indices and values there),
+    from the host through :func:`~.apply.plan_patches`."""
+    if isinstance(patch.values, torch.Tensor):
+        spec = index.specs[name]
+        indices = None if patch.indices is None else torch.as_tensor(patch.indices)
+        return Patch(name, spec, indices, patch.values.view(bits_dtype(spec.torch_dtype)))
+    return plan_patches(index, {name: patch_parts(patch)})[0]
+
+
+class MapReader:
+    """A rank's weights read through its index map where they live: the
+    :class:`~deltasync.codec.device.DeviceReader` the device decode needs.
+
+    Reads never wait for the device. Where a tensor's targets do not each hold all of it, every read
+    also counts, on the device, the requested elements no target holds; :meth:`check_held` reads those
+    counts back (one wait) and refuses, as the host path would.
+    """
+
+    def __init__(self, index: IndexMap) -> None:
+        self._index = index
+        self._missing: list[tuple[str, torch.Tensor]] = []
+
+    def device_of(self, name: str) -> torch.device:
+        """The device of the first runtime parameter holding tensor ``name``."""
+        targets = self._index.targets.get(name)
+        if not targets:
+            raise TensorMismatch(f"{name}: {_MISSING}", name=name)
+        return targets[0].param.data.device
+
+    def gather(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds), on :meth:`device_of`'s device."""
+        published = self._index.specs[name].torch_dtype
+        device = self.device_of(name)
+        bits: torch.Tensor | None = None
+        held: torch.Tensor | None = None  # None: every element (some target holds all of them)
+        for target in self._index.targets[name]:
+            owned, runtime = target.locate(index.to(target.param.data.device))
+            got = target.layout.read(target.param.data, runtime, published).to(device)
+            if owned is None:
+                bits, held = got, None
+                break
+            owned = owned.to(device)
+            bits = got if bits is None else torch.where(owned, got, bits)
+            held = owned if held is None else held | owned
+        assert bits is not None
+        if held is not None:
+            self._missing.append((name, (~held).sum()))
+        return bits
+
+    def check_held(self) -> None:
+        """Refuse if some read asked for an element this rank does not hold.
+
+        Raises:
+            `TensorMismatch`: ``"{name}: {n} changed elements are not held by this rank"``, the first such
+                read.
+        """
+        missing, self._missing = self._missing, []
+        if not missing:
+            return
+        by_device: dict[torch.device, list[int]] = {}
+        for k, (_, count) in enumerate(missing):
+            by_device.setdefault(count.device, []).append(k)
+        counts = [0] * len(missing)
+        for ks in by_device.values():  # one copy back per device
+            for k, count in zip(ks, torch.stack([missing[k][1] for k in ks]).tolist()):
+                counts[k] = count
+        for (name, _), count in zip(missing, counts):
+            if count:
+                raise TensorMismatch(f"{name}: {count} {_MISSING}", name=name)
+
+
+def accelerator_of(index: IndexMap) -> torch.device | None:
+    """The accelerator some of this rank's weights live on (``None``: all of them are on the CPU)."""
+    for targets in index.targets.values():
+        for target in targets:
+            if target.param.data.device.type != "cpu":
+                return target.param.data.device
+    return None
+
+
+def warm_decoder(device: torch.device | None = None) -> None:
     """Decode a tiny delta once, the way a worker decodes, so that a replica's first real decode does
-    not also load the compiled kernels (their first calls took about 0.25 s here)."""
+    not also load the compiled kernels (their first calls took about 0.25 s here); with an accelerator
+    ``device``, on the device path there too (its first kernels and pinned buffers)."""
     before = torch.linspace(-1.0, 1.0, 4096).to(torch.bfloat16)
     bits = before.view(torch.int16).clone()
     bits[::97] += 1
@@ -71,6 +179,11 @@ def warm_decoder() -> None:
                         version=1, base_version=0)
     held = before.view(torch.int16).numpy()
     decode(bytearray(data), base=lambda name, indices: held[indices])
+    if device is not None and device.type != "cpu":
+        index = IndexMap([TensorSpec.of("w", before)])
+        param = torch.nn.Parameter(before.to(device), requires_grad=False)
+        index.targets["w"].append(Target(param, "w", (4096,), lo=(0,), hi=(4096,), offset=(0,), flat=(0, 4096, 0)))
+        decode_here(index, [data], whole=False, on_device=True)
 
 
 def refusal_to_json(exc: DeltaSyncError) -> dict[str, Any]:
