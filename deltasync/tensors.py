@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "segment_owners",
     "segment_sums",
     "settle",
+    "host_ints",
     "check_publishable",
     "describe_differences",
     "fingerprint",
@@ -233,6 +234,20 @@ def settle(devices: Iterable[torch.device]) -> None:
             backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu...: a device-wide wait
             if backend is not None and hasattr(backend, "synchronize"):
                 backend.synchronize()
+
+
+def host_ints(values: Sequence[torch.Tensor | int]) -> list[int]:
+    """``values`` as Python ints: one-element tensors (counts left on a device) copied back together, one
+    copy per device instead of a wait each; ints pass through."""
+    out = [v if isinstance(v, int) else 0 for v in values]
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for k, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append((k, value))
+    for items in by_device.values():
+        for (k, _), got in zip(items, torch.stack([v.reshape(()) for _, v in items]).tolist()):
+            out[k] = int(got)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

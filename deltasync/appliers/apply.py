@@ -49,6 +49,7 @@ __all__ = [
     "read_bits",
     "merge_bits",
     "read_through",
+    "read_masked",
     "checked_indices",
     "bits_numpy_dtype",
 ]
@@ -223,6 +224,15 @@ def read_through(target: Target, idx: torch.Tensor, published: torch.dtype) -> t
     pos, runtime = target.translate(idx.to(data.device))
     bits = target.layout.read(data, runtime, published).cpu()
     return (None if pos is None else pos.cpu()), bits
+
+
+def read_masked(target: Target, idx: torch.Tensor, published: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Bits read through ``target``'s layout at every one of checkpoint flat indices ``idx``, on its device,
+    and which of them it holds (a mask; ``None``: all of them): no host wait (:meth:`~.mapping.Target.locate`).
+    """
+    data = target.param.data
+    owned, runtime = target.locate(idx.to(data.device))
+    return owned, target.layout.read(data, runtime, published)
 
 
 def _read(targets: list[Target], spec: TensorSpec, idx: torch.Tensor) -> dict[str, np.ndarray]:

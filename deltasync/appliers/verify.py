@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from ..errors import LayoutMismatch
-from ..tensors import bits_view
-from .apply import Patch, read_through
+from ..tensors import bits_view, host_ints
+from .apply import Patch, read_masked, read_through
 from .mapping import IndexMap, Target
 
 __all__ = ["Proof", "prove_map", "check_written", "check_proofs", "PROOF_CHUNK", "VERIFY_SAMPLES"]
@@ -130,8 +130,7 @@ def check_written(
     """
     generator = torch.Generator().manual_seed(seed)
     # Counted where the weights live and copied back once per device: no host wait per tensor.
-    counts: dict[torch.device, list[torch.Tensor]] = {}
-    reached: list[tuple[str, str, torch.device, int]] = []  # per (patch, target): its row in counts
+    rows: list[tuple[str, str, torch.Tensor, torch.Tensor | int]] = []  # tensor, param, wrong, read
     for patch in patches:
         if patch.indices is None:
             idx = torch.arange(patch.spec.numel, dtype=torch.int64, device=patch.values.device)
@@ -145,23 +144,17 @@ def check_written(
             pick = pick.to(patch.indices.device)
             idx, values = patch.indices[pick], patch.values[pick]
         for target in index.targets[patch.name]:
-            data = target.param.data
-            owned, runtime = target.locate(idx.to(data.device))
-            got = target.layout.read(data, runtime, patch.spec.torch_dtype)
+            owned, got = read_masked(target, idx, patch.spec.torch_dtype)
             differs = got != values.to(got.device)
             if owned is None:
-                row = torch.stack([differs.sum(), torch.tensor(differs.numel(), device=got.device)])
+                rows.append((patch.name, target.param_name, differs.sum(), differs.numel()))
             else:
                 owned = owned.to(got.device)
-                row = torch.stack([(differs & owned).sum(), owned.sum()])
-            rows = counts.setdefault(got.device, [])
-            reached.append((patch.name, target.param_name, got.device, len(rows)))
-            rows.append(row)
-    found = {device: torch.stack(rows).cpu() for device, rows in counts.items()}
+                rows.append((patch.name, target.param_name, (differs & owned).sum(), owned.sum()))
+    counts = host_ints([count for _, _, bad, read in rows for count in (bad, read)])
     wrong: list[dict[str, object]] = []
     checked = 0
-    for name, param, device, row in reached:
-        bad, read = (int(v) for v in found[device][row])
+    for (name, param, _, _), bad, read in zip(rows, counts[::2], counts[1::2]):
         checked += read
         if bad:
             wrong.append({"tensor": name, "param": param, "wrong": bad, "read": read})

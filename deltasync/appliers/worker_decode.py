@@ -35,8 +35,8 @@ from ..codec import Decoded
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
-from ..tensors import TensorSpec, bits_dtype
-from .apply import Patch, merge_bits, plan_patches, read_bits
+from ..tensors import TensorSpec, bits_dtype, host_ints
+from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
 from .mapping import IndexMap, Target
 from .wire import patch_parts
 
@@ -124,8 +124,8 @@ class MapReader:
         bits: torch.Tensor | None = None
         held: torch.Tensor | None = None  # None: every element (some target holds all of them)
         for target in self._index.targets[name]:
-            owned, runtime = target.locate(index.to(target.param.data.device))
-            got = target.layout.read(target.param.data, runtime, published).to(device)
+            owned, got = read_masked(target, index, published)
+            got = got.to(device)
             if owned is None:
                 bits, held = got, None
                 break
@@ -147,13 +147,7 @@ class MapReader:
         missing, self._missing = self._missing, []
         if not missing:
             return
-        by_device: dict[torch.device, list[int]] = {}
-        for k, (_, count) in enumerate(missing):
-            by_device.setdefault(count.device, []).append(k)
-        counts = [0] * len(missing)
-        for ks in by_device.values():  # one copy back per device
-            for k, count in zip(ks, torch.stack([missing[k][1] for k in ks]).tolist()):
-                counts[k] = count
+        counts = host_ints([count for _, count in missing])  # one copy back per device
         for (name, _), count in zip(missing, counts):
             if count:
                 raise TensorMismatch(f"{name}: {count} {_MISSING}", name=name)
