@@ -68,7 +68,7 @@ from _common import human_bytes, results_dir, shared_machine, table, write_json 
 from deltasync import Publisher, Subscriber, parallel  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.appliers.apply import write_patches  # noqa: E402
-from deltasync.appliers.mapping import IndexMap, Target  # noqa: E402
+from deltasync.appliers.mapping import IndexMap  # noqa: E402
 from deltasync.appliers.verify import check_written  # noqa: E402
 from deltasync.appliers.worker_decode import decode_here  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
@@ -76,7 +76,7 @@ from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
-from deltasync.tensors import TensorSpec, bits_view  # noqa: E402
+from deltasync.tensors import bits_view  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -263,13 +263,7 @@ def profile_stage(
 
 def rank_map(weights: dict[str, torch.Tensor]) -> IndexMap:
     """The index map of a vLLM rank that holds every tensor whole, each in a parameter of its own."""
-    index = IndexMap(TensorSpec.of(name, tensor) for name, tensor in weights.items())
-    for name, tensor in weights.items():
-        param = torch.nn.Parameter(tensor, requires_grad=False)
-        zeros = (0,) * tensor.dim()
-        index.targets[name].append(Target(param, name, tuple(tensor.shape), lo=zeros, hi=tuple(tensor.shape),
-                                          offset=zeros, flat=(0, tensor.numel(), 0)))
-    return index
+    return IndexMap.whole({name: torch.nn.Parameter(tensor, requires_grad=False) for name, tensor in weights.items()})
 
 
 def floor_diff(model: Model, snapshot: Snapshot) -> None:

@@ -166,13 +166,8 @@ def _many(count: int) -> dict[str, torch.Tensor]:
 
 def _on(device: str, weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
     """Each tensor whole in a runtime parameter of its own on ``device``."""
-    index = IndexMap([TensorSpec.of(name, tensor) for name, tensor in weights.items()])
-    params = {}
-    for name, tensor in weights.items():
-        params[name] = torch.nn.Parameter(tensor.to(device), requires_grad=False)
-        index.targets[name].append(Target(params[name], name, tuple(tensor.shape), lo=(0, 0), hi=tuple(tensor.shape),
-                                          offset=(0, 0), flat=(0, tensor.numel(), 0)))
-    return index, params
+    params = {name: torch.nn.Parameter(tensor.to(device), requires_grad=False) for name, tensor in weights.items()}
+    return IndexMap.whole(params), params
 
 
 @pytest.mark.cuda

@@ -338,6 +338,17 @@ class IndexMap:
         self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
         self.targets: dict[str, list[Target]] = {name: [] for name in self.specs}
 
+    @classmethod
+    def whole(cls, params: Mapping[str, torch.nn.Parameter]) -> IndexMap:
+        """The map of a rank that holds every checkpoint tensor whole, in a runtime parameter of its own
+        of the same name and shape (``params``' tensors themselves, no copy): one flat range each."""
+        index = cls(TensorSpec.of(name, p) for name, p in params.items())
+        for name, p in params.items():
+            zeros = (0,) * p.dim()
+            index.targets[name].append(Target(p, name, tuple(p.shape), lo=zeros, hi=tuple(p.shape), offset=zeros,
+                                              flat=(0, p.numel(), 0)))
+        return index
+
     def owned(self) -> dict[str, list[Any]]:
         """Per checkpoint tensor, what each target covers (:meth:`Target.describe`)."""
         return {name: [t.describe() for t in ts] for name, ts in self.targets.items()}

@@ -35,9 +35,9 @@ from ..codec import Decoded
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
-from ..tensors import TensorSpec, bits_dtype, host_ints
+from ..tensors import bits_dtype, host_ints
 from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
-from .mapping import IndexMap, Target
+from .mapping import IndexMap
 from .wire import patch_parts
 
 __all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
@@ -174,9 +174,7 @@ def warm_decoder(device: torch.device | None = None) -> None:
     held = before.view(torch.int16).numpy()
     decode(bytearray(data), base=lambda name, indices: held[indices])
     if device is not None and device.type != "cpu":
-        index = IndexMap([TensorSpec.of("w", before)])
-        param = torch.nn.Parameter(before.to(device), requires_grad=False)
-        index.targets["w"].append(Target(param, "w", (4096,), lo=(0,), hi=(4096,), offset=(0,), flat=(0, 4096, 0)))
+        index = IndexMap.whole({"w": torch.nn.Parameter(before.to(device), requires_grad=False)})
         decode_here(index, [data], whole=False, on_device=True)
 
 
