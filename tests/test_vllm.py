@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from deltasync.appliers.wire import pack
@@ -95,6 +96,13 @@ class TestPlainWeights:
         llm.collective_rpc("bench_load_full", args=(str(save_checkpoint(weights, smollm2, tmp_path / "ckpt")), 1))
         assert_engine_exact(follower, weights)
         assert greedy(llm, logprobs=1) == served
+        # The check counts what differs: three elements of one tensor, one ulp off.
+        name = "model.layers.1.mlp.down_proj.weight"
+        off = weights[name].clone()
+        off.view(torch.int16).view(-1)[[0, 7, 1000]] += 1
+        (tmp_path / "off").mkdir()
+        safetensors.torch.save_file({name: off}, str(tmp_path / "off" / "model.safetensors"))
+        assert follower.compare(tmp_path / "off") == {name: {"read": off.numel(), "wrong": 3}}
         # vLLM labels each request's tokens with the weight version in force.
         from vllm import SamplingParams
 

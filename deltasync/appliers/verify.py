@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from ..errors import LayoutMismatch
-from ..tensors import bits_view, host_ints
+from ..errors import LayoutMismatch, TensorMismatch
+from ..tensors import TensorSpec, bits_view, host_ints
 from .apply import Patch, read_masked, read_through
 from .mapping import IndexMap, Target
 
-__all__ = ["Proof", "prove_map", "check_written", "check_proofs", "PROOF_CHUNK", "VERIFY_SAMPLES"]
+__all__ = ["Proof", "prove_map", "compare_held", "check_written", "check_proofs", "PROOF_CHUNK", "VERIFY_SAMPLES"]
 
 logger = logging.getLogger("deltasync.vllm")
 
@@ -86,7 +86,7 @@ def prove_map(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> 
             for target in targets:
                 proof.failed.setdefault(target.param_name, f"{name} is not in the engine's checkpoint")
             continue
-        expected = bits_view(source.to(spec.torch_dtype).reshape(-1).contiguous())
+        expected = _published_bits(name, source, spec)
         proof.tensors += 1
         for target in targets:
             wrong = _count_wrong(target, expected, spec.torch_dtype)
@@ -102,6 +102,43 @@ def prove_map(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> 
         if expected.numel() and bool((expected == expected[0]).all()):
             proof.constant.append(name)
     return proof
+
+
+def compare_held(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> dict[str, dict[str, int]]:
+    """How the elements this rank holds compare with the tensors ``loaded`` gives, at any time (after writes too).
+
+    Every element of every target is read back through ``index`` and its layout and compared bit for
+    bit with the loaded tensor, cast to the published dtype (a replica's weights against a trainer's
+    saved ones: are they the same?).
+
+    Returns:
+        `dict`: per checkpoint tensor with elements on this rank that ``loaded`` has (``None``: left
+        out), ``{"read": elements read back, "wrong": how many of them differ}``; an element this rank
+        holds twice counts twice.
+
+    Raises:
+        `TensorMismatch`: a loaded tensor with another number of elements than the checkpoint's.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for name, targets in index.targets.items():
+        source = loaded(name) if targets else None
+        if source is None:
+            continue
+        spec = index.specs[name]
+        expected = _published_bits(name, source, spec)
+        out[name] = {
+            "read": sum(t.count for t in targets),
+            "wrong": sum(_count_wrong(t, expected, spec.torch_dtype) for t in targets),
+        }
+    return out
+
+
+def _published_bits(name: str, source: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Flat bit patterns of ``source`` in the published dtype of checkpoint tensor ``spec``."""
+    if source.numel() != spec.numel:
+        raise TensorMismatch(f"{name}: {source.numel()} elements given, the checkpoint's tensor has {spec.numel}",
+                             name=name)
+    return bits_view(source.to(spec.torch_dtype).reshape(-1).contiguous())
 
 
 def _count_wrong(target: Target, expected: torch.Tensor, published: torch.dtype) -> int:

@@ -60,7 +60,7 @@ from .cpu_hooks import (
     repack_touched,
 )
 from .mapping import IndexMap
-from .verify import VERIFY_SAMPLES, check_written, prove_map
+from .verify import VERIFY_SAMPLES, check_written, compare_held, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
 from .wire import pack, specs_from_json, unpack
 from .worker_decode import accelerator_of, decode_here, refusal_to_json, warm_decoder
@@ -200,6 +200,14 @@ class DeltaSyncWorkerExtension:
     def deltasync_version(self) -> dict[str, Any]:
         """The deltasync version this rank last applied (``None`` before the first)."""
         return {"rank": _rank(self), "version": getattr(self, "_deltasync_version", None)}
+
+    def deltasync_compare(self, checkpoint: str) -> dict[str, Any]:
+        """How the elements this rank holds compare with the safetensors checkpoint in the directory
+        ``checkpoint`` on this worker's machine (:func:`~.verify.compare_held`): per tensor the directory has,
+        elements read back and how many differ. O(numel) here; only the counts go back."""
+        index = _require_index(self)
+        with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
+            return {"rank": _rank(self), "tensors": compare_held(index, loaded)}
 
     def deltasync_gather(self, name: str, text: bool = False) -> dict[str, Any]:
         """Every element of checkpoint tensor ``name`` this rank holds, read through the map (for tests).

@@ -400,6 +400,23 @@ class VLLMFollower:
             for name, indices in wanted.items()
         }
 
+    def compare(self, checkpoint: str | Path) -> dict[str, dict[str, int]]:
+        """Whether the engine holds a checkpoint's weights, bit for bit, without moving them: ``checkpoint``
+        is a directory of safetensors files on the engine's machine (a trainer's saved weights, say).
+
+        Every rank reads back every element it holds through its map and compares it with the file's
+        (cast to the published dtype). Per checkpoint tensor the directory has: ``{"read": elements read
+        back on all ranks, "wrong": how many differ}``; all ``wrong`` zero means bit-exact. O(numel) on
+        the ranks, only counts on the wire (:meth:`gather` moves the weights).
+        """
+        out: dict[str, dict[str, int]] = {}
+        for answer in self._rpc("deltasync_compare", str(checkpoint)):
+            for name, counts in answer["tensors"].items():
+                total = out.setdefault(name, {"read": 0, "wrong": 0})
+                total["read"] += int(counts["read"])
+                total["wrong"] += int(counts["wrong"])
+        return out
+
     def gather(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""
         spec = self.engine_specs[name]
