@@ -18,7 +18,9 @@ from deltasync import Publisher, Subscriber
 from deltasync.appliers import TorchModuleApplier
 from deltasync.appliers.apply import Patch
 from deltasync.appliers.mapping import PLAIN, IndexMap, Layout, Target, fit_targets
-from deltasync.appliers.verify import check_written, prove_map
+from deltasync.appliers.verify import check_written, compare_held, merge_compared, prove_map
+from deltasync.appliers.wire import pack
+from deltasync.errors import TensorMismatch
 from deltasync.tensors import TensorSpec, bits_view, fingerprint, published_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -166,6 +168,28 @@ class TestProof:
         checked, wrong = check_written(index, [patch])
         assert checked == 3 and len(wrong) == 1 and wrong[0]["param"] == "runtime.w" and wrong[0]["wrong"] == 1
         assert check_written(index, [patch], samples=0) == (0, [])
+
+    def test_compare_counts_wrong_elements_and_those_no_rank_holds(self) -> None:
+        """Two ranks hold rows 0-3 and 3-6 (row 3 on both): as many reads as elements, yet row 7 is nobody's."""
+        weights = torch.randn(8, 16).to(torch.bfloat16)
+        spec = TensorSpec("w", (8, 16), "BF16")
+
+        def rank(lo: int, hi: int, held: torch.Tensor) -> tuple[dict, bytes | str]:
+            index = IndexMap([spec])
+            param = torch.nn.Parameter(held[lo:hi].clone(), requires_grad=False)
+            index.targets["w"].append(Target(param, "runtime.w", spec.shape, lo=(lo, 0), hi=(hi, 16), offset=(-lo, 0)))
+            counts, masks = compare_held(index, lambda name: weights if name == "w" else None)
+            return counts, pack({name: {"mask": mask} for name, mask in masks.items()}, text=True)
+
+        assert merge_compared({"w": spec}, [rank(0, 4, weights), rank(3, 7, weights)]) == {
+            "w": {"read": 128, "wrong": 0, "missing": 16}
+        }
+        off = weights.clone()
+        off.view(torch.int16)[0, :3] += 1  # the rank holds three elements one ulp off
+        assert merge_compared({"w": spec}, [rank(0, 8, off)]) == {"w": {"read": 128, "wrong": 3, "missing": 0}}
+        with pytest.raises(TensorMismatch, match="64 elements given"):
+            compare_held(IndexMap.whole({"w": torch.nn.Parameter(weights, requires_grad=False)}),
+                         lambda name: weights[:4])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")

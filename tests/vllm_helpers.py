@@ -250,8 +250,8 @@ def assert_engine_exact(follower: Any, weights: dict[str, torch.Tensor]) -> None
     assert set(found) == set(weights), sorted(set(weights) ^ set(found))[:5]
     wrong = {n: c["wrong"] for n, c in found.items() if c["wrong"]}
     assert not wrong, f"{len(wrong)} tensors differ: {dict(list(wrong.items())[:5])}"
-    short = [n for n, c in found.items() if c["read"] < weights[n].numel()]
-    assert not short, f"elements held by no rank: {short[:5]}"
+    missing = {n: c["missing"] for n, c in found.items() if c["missing"]}
+    assert not missing, f"elements held by no rank: {dict(list(missing.items())[:5])}"
 
 
 class BenchExtension:

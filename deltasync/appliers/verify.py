@@ -31,18 +31,23 @@ Limitations:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import LayoutMismatch, TensorMismatch
 from ..tensors import TensorSpec, bits_view, host_ints
 from .apply import Patch, read_masked, read_through
 from .mapping import IndexMap, Target
+from .wire import unpack
 
-__all__ = ["Proof", "prove_map", "compare_held", "check_written", "check_proofs", "PROOF_CHUNK", "VERIFY_SAMPLES"]
+__all__ = [
+    "Proof", "prove_map", "compare_held", "merge_compared", "check_written", "check_proofs", "PROOF_CHUNK",
+    "VERIFY_SAMPLES",
+]
 
 logger = logging.getLogger("deltasync.vllm")
 
@@ -104,7 +109,9 @@ def prove_map(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> 
     return proof
 
 
-def compare_held(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) -> dict[str, dict[str, int]]:
+def compare_held(
+    index: IndexMap, loaded: Callable[[str], torch.Tensor | None]
+) -> tuple[dict[str, dict[str, int]], dict[str, np.ndarray]]:
     """How the elements this rank holds compare with the tensors ``loaded`` gives, at any time (after writes too).
 
     Every element of every target is read back through ``index`` and its layout and compared bit for
@@ -112,24 +119,49 @@ def compare_held(index: IndexMap, loaded: Callable[[str], torch.Tensor | None]) 
     saved ones: are they the same?).
 
     Returns:
-        `dict`: per checkpoint tensor with elements on this rank that ``loaded`` has (``None``: left
-        out), ``{"read": elements read back, "wrong": how many of them differ}``; an element this rank
-        holds twice counts twice.
+        `tuple`: per checkpoint tensor with elements on this rank that ``loaded`` has (``None``: left
+        out), ``{"read": elements read back, "wrong": how many of them differ}`` (an element this rank
+        holds twice counts twice), and which of its flat elements were read (``np.packbits`` of a mask),
+        for :func:`merge_compared` to find those no rank holds.
 
     Raises:
         `TensorMismatch`: a loaded tensor with another number of elements than the checkpoint's.
     """
-    out: dict[str, dict[str, int]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    masks: dict[str, np.ndarray] = {}
     for name, targets in index.targets.items():
         source = loaded(name) if targets else None
         if source is None:
             continue
         spec = index.specs[name]
         expected = _published_bits(name, source, spec)
-        out[name] = {
+        held = torch.zeros(spec.numel, dtype=torch.bool)
+        counts[name] = {
             "read": sum(t.count for t in targets),
-            "wrong": sum(_count_wrong(t, expected, spec.torch_dtype) for t in targets),
+            "wrong": sum(_count_wrong(t, expected, spec.torch_dtype, held) for t in targets),
         }
+        masks[name] = np.packbits(held.numpy())
+    return counts, masks
+
+
+def merge_compared(
+    specs: Mapping[str, TensorSpec], answers: Iterable[tuple[Mapping[str, Any], Any]]
+) -> dict[str, dict[str, int]]:
+    """Follower side: the ranks' :func:`compare_held` answers (counts, and their masks as
+    :func:`~.wire.pack` sent them) as one per tensor: ``{"read", "wrong", "missing"}``, where
+    ``missing`` counts the elements no rank holds."""
+    out: dict[str, dict[str, int]] = {}
+    union: dict[str, np.ndarray] = {}
+    for counts, packed in answers:
+        masks = unpack(packed)
+        for name, found in counts.items():
+            total = out.setdefault(name, {"read": 0, "wrong": 0})
+            total["read"] += int(found["read"])
+            total["wrong"] += int(found["wrong"])
+            mask = masks[name]["mask"]
+            union[name] = union[name] | mask if name in union else mask
+    for name, total in out.items():
+        total["missing"] = specs[name].numel - int(np.unpackbits(union[name]).sum())
     return out
 
 
@@ -141,14 +173,19 @@ def _published_bits(name: str, source: torch.Tensor, spec: TensorSpec) -> torch.
     return bits_view(source.to(spec.torch_dtype).reshape(-1).contiguous())
 
 
-def _count_wrong(target: Target, expected: torch.Tensor, published: torch.dtype) -> int:
-    """Elements of ``target`` whose bits read through its layout differ from ``expected`` (flat bits)."""
+def _count_wrong(
+    target: Target, expected: torch.Tensor, published: torch.dtype, held: torch.Tensor | None = None
+) -> int:
+    """Elements of ``target`` whose bits read through its layout differ from ``expected`` (flat bits);
+    the elements read are marked in ``held`` (a flat mask) when given."""
     wrong = 0
     for start in range(0, expected.numel(), PROOF_CHUNK):
         idx = torch.arange(start, min(start + PROOF_CHUNK, expected.numel()), dtype=torch.int64)
         pos, got = read_through(target, idx, published)
-        want = expected[idx] if pos is None else expected[idx[pos]]
-        wrong += int((got != want).sum())
+        read = idx if pos is None else idx[pos]
+        wrong += int((got != expected[read]).sum())
+        if held is not None:
+            held[read] = True
     return wrong
 
 

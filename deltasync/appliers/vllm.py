@@ -201,13 +201,16 @@ class DeltaSyncWorkerExtension:
         """The deltasync version this rank last applied (``None`` before the first)."""
         return {"rank": _rank(self), "version": getattr(self, "_deltasync_version", None)}
 
-    def deltasync_compare(self, checkpoint: str) -> dict[str, Any]:
+    def deltasync_compare(self, checkpoint: str, text: bool = False) -> dict[str, Any]:
         """How the elements this rank holds compare with the safetensors checkpoint in the directory
         ``checkpoint`` on this worker's machine (:func:`~.verify.compare_held`): per tensor the directory has,
-        elements read back and how many differ. O(numel) here; only the counts go back."""
+        elements read back and how many differ, and which elements were read (a bit per element,
+        :func:`~.wire.pack`). O(numel) here; no weights go back."""
         index = _require_index(self)
         with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
-            return {"rank": _rank(self), "tensors": compare_held(index, loaded)}
+            counts, masks = compare_held(index, loaded)
+        held = pack({name: {"mask": mask} for name, mask in masks.items()}, text=text)
+        return {"rank": _rank(self), "tensors": counts, "held": held}
 
     def deltasync_gather(self, name: str, text: bool = False) -> dict[str, Any]:
         """Every element of checkpoint tensor ``name`` this rank holds, read through the map (for tests).

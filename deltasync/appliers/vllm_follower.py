@@ -84,7 +84,7 @@ from ..tensors import fingerprint
 from .apply import check_header, merge_bits
 from .checkpoint_files import checkpoint_specs
 from .mapping import uncovered_elements
-from .verify import VERIFY_SAMPLES, check_proofs
+from .verify import VERIFY_SAMPLES, check_proofs, merge_compared
 from .vllm_lora import LORA_NAME, AdapterHost
 from .vllm_prefetch import TAP_KEEP, TapBuffer, TapStore, changed_indices
 from .vllm_rpc import HTTP_TIMEOUT_S, InProcessEngine, ServerEngine, parse_version_label, version_label
@@ -406,16 +406,11 @@ class VLLMFollower:
 
         Every rank reads back every element it holds through its map and compares it with the file's
         (cast to the published dtype). Per checkpoint tensor the directory has: ``{"read": elements read
-        back on all ranks, "wrong": how many differ}``; all ``wrong`` zero means bit-exact. O(numel) on
-        the ranks, only counts on the wire (:meth:`gather` moves the weights).
+        back on all ranks, "wrong": how many differ, "missing": elements no rank holds}``; all zero
+        ``wrong`` and ``missing``: bit-exact. O(numel) on the ranks; a bit per element on the wire.
         """
-        out: dict[str, dict[str, int]] = {}
-        for answer in self._rpc("deltasync_compare", str(checkpoint)):
-            for name, counts in answer["tensors"].items():
-                total = out.setdefault(name, {"read": 0, "wrong": 0})
-                total["read"] += int(counts["read"])
-                total["wrong"] += int(counts["wrong"])
-        return out
+        answers = self._rpc("deltasync_compare", str(checkpoint), self._engine.text)
+        return merge_compared(self.engine_specs, ((a["tensors"], a["held"]) for a in answers))
 
     def gather(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as the engine holds it, read back through the index map (O(numel); tests)."""
