@@ -17,7 +17,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | decode, vLLM rank | what the worker of a one-rank vLLM engine does with a version's files: ``decode_here`` against its weights read through its index map, on the device path (as on a GPU; forced on a CPU), and its host waits | the decode floor |
 | apply, vLLM rank | that worker's write of the patches (still on the device) through its map, and its read-back of 256 samples per tensor | the apply floor |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
-| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part | one ``copy_`` of all weights |
+| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights |
 
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
@@ -76,6 +76,7 @@ from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
+from deltasync.stores import LocalStore  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
 
 
@@ -191,7 +192,6 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
     allocated and captured on the way) and a periodic one (from the snapshot kept since), to load the
     latter; bytes and files."""
     store = Path(tempfile.mkdtemp(prefix="anchor-", dir=root)) / "run"
-    replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
     infos: list[Any] = []
     first = next(iter(masters.values())).view(-1)
     kept = first[0].clone()  # put back after the round: the run's replica still holds the original
@@ -205,18 +205,21 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
             publisher.publish(1, block=True)
             publisher.flush()
         periodic = next(i for i in infos if i.version == 1 and i.kind == "anchor")
-        started = time.perf_counter()
-        Subscriber(str(store), TorchModuleApplier(replica)).update()
-        sync(device)
-        load_s = time.perf_counter() - started
-        assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
-                   for n, t in masters.items())
+        loads = {}
+        for mapped in (True, False):  # parts mapped from the page cache (the default), and read into memory
+            replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
+            started = time.perf_counter()
+            Subscriber(LocalStore(store, map_reads=mapped), TorchModuleApplier(replica)).update()
+            sync(device)
+            loads[mapped] = time.perf_counter() - started
+            assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+                       for n, t in masters.items())
         files = len([p for p in (store / "anchors").iterdir() if "0000000001" in p.name])
     finally:
         first[0] = kept
         shutil.rmtree(store.parent, ignore_errors=True)
-    return {"publish": publish_s, "periodic": periodic.t_total, "load": load_s, "bytes": periodic.bytes,
-            "files": files}
+    return {"publish": publish_s, "periodic": periodic.t_total, "load": loads[True], "load, copied": loads[False],
+            "bytes": periodic.bytes, "files": files}
 
 
 def profile_stage(
@@ -308,7 +311,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes = rounds[0]["bytes"]
             if not label:
                 anchor_bytes = nbytes  # the default layout's, reported below
-            for stage, name in (("publish", "publish"), ("periodic", "publish, periodic"), ("load", "load")):
+            stages = (("publish", "publish"), ("periodic", "publish, periodic"), ("load", "load"),
+                      ("load, copied", "load, copied"))
+            for stage, name in stages:
                 times = [r[stage] for r in rounds]
                 median = statistics.median(times)
                 rows[f"anchor {name}{label}"] = {

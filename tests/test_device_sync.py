@@ -21,8 +21,8 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "device_sync_cpu.json").read_text())
     assert result["exact"] and result["device"] == "cpu"
     assert set(result["stages"]) == {
-        "anchor publish", "anchor publish, periodic", "anchor load", "anchor publish, one part",
-        "anchor publish, periodic, one part", "anchor load, one part",
+        "anchor publish", "anchor publish, periodic", "anchor load", "anchor load, copied", "anchor publish, one part",
+        "anchor publish, periodic, one part", "anchor load, one part", "anchor load, copied, one part",
         "diff", "diff, device path", "decode", "decode, 1 thread", "decode, device path", "apply",
         "apply, staged", "decode, vLLM rank", "apply, vLLM rank", "whole update",
     }

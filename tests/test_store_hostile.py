@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -30,6 +31,8 @@ from deltasync.cache import CachedStore
 from deltasync.errors import IntegrityError, ObjectNotFound, StoreError
 from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef
 from deltasync.stores import LocalStore, open_store
+from deltasync.stores.local import MAP_BYTES
+from deltasync.stores.mounts import filesystem_of, mappable, mount_of
 
 from .conftest import make_store
 
@@ -89,6 +92,77 @@ def assert_refused(store: LocalStore, key: str, what: str) -> None:
 def local(tmp_path: Path) -> LocalStore:
     (tmp_path / "root").mkdir()  # the store creates its root on its first write; these tests plant files first
     return LocalStore(tmp_path / "root")
+
+
+# ---------------------------------------------------------------------- large objects, mapped
+
+
+def mapped(buffer: Any) -> bool:
+    return isinstance(memoryview(buffer).obj, mmap.mmap)
+
+
+class TestMapped:
+    """Large objects on a local filesystem are mapped, privately; elsewhere they are read (``stores.mounts``)."""
+
+    @pytest.fixture(autouse=True)
+    def _local_filesystem(self, tmp_path: Path) -> None:
+        if not mappable(tmp_path):
+            pytest.skip(f"{filesystem_of(tmp_path)} is not one whose files deltasync maps")
+
+    def test_large_object_is_mapped_privately(self, local: LocalStore) -> None:
+        data = os.urandom(MAP_BYTES + 7)
+        local.put("big", data)
+        small = local.get_buffer(local.put("small", data[:100]).key)
+        assert not mapped(small) and bytes(small) == data[:100]
+        buffer = local.get_buffer("big")
+        assert mapped(buffer) and not buffer.readonly and bytes(buffer) == data
+        buffer[:4] = b"\0\0\0\0"  # a decoder may write into what it was handed: never into the file
+        assert local.get("big") == data
+        copied = LocalStore(local.root, map_reads=False).get_buffer("big")  # the switch off: read into memory
+        assert not mapped(copied) and not copied.readonly and bytes(copied) == data
+
+    def test_unlinked_or_replaced_object_stays_readable(self, local: LocalStore) -> None:
+        first, second = os.urandom(MAP_BYTES), os.urandom(MAP_BYTES)
+        local.put("a", first)
+        local.put("b", first)
+        held = local.get_buffer("a"), local.get_buffer("b")
+        local.delete("a")  # retention
+        local.put("b", second)  # a new object renamed over the name (objects are never rewritten in place)
+        assert [bytes(b) for b in held] == [first, first]
+        assert local.get_buffer("b").tobytes() == second
+
+    def test_other_filesystems_are_read_not_mapped(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A network or unknown filesystem may drop a mapped file under the reader (SIGBUS): copied instead."""
+        root = tmp_path / "root"
+        root.mkdir()
+        mount, _ = mount_of(root)
+        mounts = tmp_path / "mounts"
+        escaped = str(mount).replace(" ", "\\040")  # as the kernel lists a space
+        mounts.write_text(f"server:/export {escaped} nfs4 rw 0 0\n")
+        monkeypatch.setattr("deltasync.stores.mounts.MOUNTS", str(mounts))
+        assert mount_of(root) == (mount, "nfs4") and not mappable(root / "not" / "yet")
+        store = LocalStore(root)
+        data = os.urandom(MAP_BYTES)
+        store.put("big", data)
+        buffer = store.get_buffer("big")
+        assert not mapped(buffer) and not buffer.readonly and bytes(buffer) == data
+        assert "the nfs4 filesystem mounted at" in filesystem_of(root)
+
+    def test_anchor_loads_exactly_through_a_mapping(self, tmp_path: Path) -> None:
+        import torch
+
+        from deltasync import Publisher, Subscriber
+        from deltasync.appliers import TorchModuleApplier
+
+        weights = {f"w{i}": torch.randn(1 << 19, dtype=torch.float32) for i in range(3)}  # 1 MiB of bf16 each
+        with Publisher(weights, str(tmp_path / "run"), part_bytes=MAP_BYTES) as publisher:
+            publisher.publish(0, block=True)
+        replica = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in weights.items()}
+        with mock.patch("mmap.mmap", wraps=mmap.mmap) as mapping:
+            Subscriber(str(tmp_path / "run"), TorchModuleApplier(replica)).update()
+        assert mapping.call_count >= 3  # every part of the anchor
+        for name, tensor in weights.items():
+            assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16))
 
 
 # ---------------------------------------------------------------------- special files, symlinks
@@ -186,6 +260,8 @@ class TestOversized:
         with open(local.root / "big", "wb") as f:
             f.truncate(16 << 30)  # 16 GiB of holes: reading it would exhaust memory
         with bounded():
+            with pytest.raises(IntegrityError):
+                local.get_buffer("big", max_bytes=100)  # large enough to be mapped: refused before mapping
             with pytest.raises(IntegrityError, match=r"'big' in .* is 17179869184 bytes, more than the 100") as info:
                 local.get("big", max_bytes=100)
             with pytest.raises(IntegrityError):
