@@ -41,8 +41,12 @@ Layering: the cache reads manifests, so it sits above them; the stores package
 does not import it, and ``open_store(url, cache_dir=...)`` finds it through a
 ``"module:Class"`` string.
 
-Limits: a hit hashes the file (SHA-256, about 1-2 GB/s per core) besides the
-reader's own check; range reads are served from the cache only for files this
+Reads: :meth:`CachedStore.get_buffer` (what a replica downloads with) reads a hit
+into writable memory that the decoder views rather than copies; cache files are
+never mapped (:mod:`deltasync.stores.mounts`).
+
+Limits: a hit hashes the file (the manifest's algorithm: BLAKE3 since format 3,
+SHA-256 before) besides the reader's own check; range reads are served from the cache only for files this
 process already verified, otherwise from the store (they are header reads). The
 lock relies on hard links (local filesystems, tmpfs, NFS); where ``link`` is
 refused, processes fill without a lock and a miss may read the store once per
@@ -146,7 +150,9 @@ class CachedStore(DelegatingStore):
         super().__init__(inner)
         namespace = hashlib.sha256(inner.url.encode()).hexdigest()[:16]
         self.root = Path(cache_dir).expanduser().resolve() / namespace
-        self._objects = LocalStore(self.root / "objects")
+        # Cache files are read into memory, never mapped: a hit is checked against damage done in place (a
+        # stray process writing into the shared directory), and a mapping would let damage after the check through.
+        self._objects = LocalStore(self.root / "objects", map_reads=False)
         self._locks = LocalStore(self.root / "locks")
         self.max_bytes, self.fill_wait = max_bytes, fill_wait
         self.stats = CacheStats()
@@ -160,6 +166,14 @@ class CachedStore(DelegatingStore):
     # ------------------------------------------------------------------ reads
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self._get(key, max_bytes, buffer=False)  # type: ignore[return-value]
+
+    def get_buffer(self, key: str, *, max_bytes: int | None = None) -> bytes | memoryview:
+        """:meth:`get`; a hit read into writable memory (:meth:`LocalStore.get_buffer`, never mapped), which a
+        decoder views instead of copying."""
+        return self._get(key, max_bytes, buffer=True)
+
+    def _get(self, key: str, max_bytes: int | None, *, buffer: bool) -> bytes | memoryview:
         check_limit(max_bytes)
         ref = self._refs.get(key)
         if ref is None:
@@ -168,11 +182,11 @@ class CachedStore(DelegatingStore):
                 self._observe(data)
             return data
         check_size(key, ref.size, max_bytes, where=self.url, backend=self.scheme)  # cached copies are ref.size
-        data = self._read_cached(ref)
-        if data is not None:
+        cached = self._read_cached(ref, buffer=buffer)
+        if cached is not None:
             self._count("hits")
-            return data
-        return self._fill(ref, max_bytes)
+            return cached
+        return self._fill(ref, max_bytes, buffer=buffer)
 
     def get_if_changed(
         self, key: str, etag: str | None, *, max_bytes: int | None = None
@@ -239,11 +253,13 @@ class CachedStore(DelegatingStore):
     def _path(self, key: str) -> Path:
         return self._objects.root / key
 
-    def _read_cached(self, ref: ObjectRef) -> bytes | None:
-        """The cached bytes of ``ref`` if present and intact; a bad file is deleted (``None``)."""
+    def _read_cached(self, ref: ObjectRef, *, buffer: bool = False) -> bytes | memoryview | None:
+        """The cached bytes of ``ref`` if present and intact (with ``buffer``, as :meth:`LocalStore.get_buffer`
+        gives them); a bad file is deleted (``None``)."""
         path = self._path(ref.key)
         try:
-            data, st = self._objects.read_with_stat(ref.key, max_bytes=ref.size)
+            read = self._objects.buffer_with_stat if buffer else self._objects.read_with_stat
+            data, st = read(ref.key, max_bytes=ref.size)
             _verify(ref, data, where=f"cached copy at {path}")
         except ObjectNotFound:
             return None
@@ -263,14 +279,15 @@ class CachedStore(DelegatingStore):
         self._verified.add(_identity(st))
         return data
 
-    def _fill(self, ref: ObjectRef, max_bytes: int | None = None) -> bytes:
-        """Read ``ref`` from the store once for every process sharing the cache, and keep it."""
+    def _fill(self, ref: ObjectRef, max_bytes: int | None = None, *, buffer: bool = False) -> bytes | memoryview:
+        """Read ``ref`` from the store once for every process sharing the cache, and keep it (a hit found on the
+        way comes back as :meth:`_read_cached` gives it)."""
         deadline = time.monotonic() + self._wait_budget(ref)
         delay, waited = POLL_FIRST_S, False
         while True:
             with self._filling(ref.key) as mine:
                 if mine:
-                    data = self._read_cached(ref)  # another process may have finished in between
+                    data = self._read_cached(ref, buffer=buffer)  # another process may have finished in between
                     if data is not None:
                         self._count("hits")
                         return data
@@ -280,7 +297,7 @@ class CachedStore(DelegatingStore):
                 self._count("waits")
             time.sleep(delay)
             delay = min(POLL_MAX_S, delay * 2)
-            data = self._read_cached(ref)
+            data = self._read_cached(ref, buffer=buffer)
             if data is not None:
                 self._count("hits")
                 return data
@@ -421,7 +438,7 @@ class CachedStore(DelegatingStore):
         return f"CachedStore({self.inner!r}, cache_dir={str(self.root.parent)!r})"
 
 
-def _verify(ref: ObjectRef, data: bytes, *, where: str) -> None:
+def _verify(ref: ObjectRef, data: bytes | memoryview, *, where: str) -> None:
     """Raise :class:`IntegrityError` unless ``data`` has the manifest's size and digest."""
     if not ref.verify(data):
         raise IntegrityError(

@@ -179,6 +179,27 @@ class TestIntegrity:
         assert path.read_bytes() == good  # repaired for everyone
         assert cached.get(ref.key) == good and store_gets(tap, ref.key) == 1
 
+    def test_buffers_are_checked_copies_never_mappings(self, tmp_path: Path) -> None:
+        """A replica downloads with ``get_buffer``: a hit is read into writable memory (viewed by the decoder)
+        after its check, never mapped, so damage done in place later cannot reach it; damage before is refused."""
+        import mmap
+
+        url = str(tmp_path / "run")
+        with Publisher({"w": torch.randn(1 << 20)}, url) as publisher:  # an anchor of 2 MiB: mapped if read
+            publisher.publish(0, block=True)
+        cached, tap = reader(url, tmp_path / "cache")
+        ref = objects(cached)[0]
+        good = bytes(cached.get_buffer(ref.key))  # a miss fills the cache
+        other, other_tap = reader(url, tmp_path / "cache")
+        hit = other.get_buffer(ref.key)
+        assert other.stats.hits == 1 and store_gets(other_tap, ref.key) == 0
+        assert bytes(hit) == good and not hit.readonly and not isinstance(hit.obj, mmap.mmap)
+        path = cached.root / "objects" / ref.key
+        path.write_bytes(_flip(good))  # in place, after the hit: the buffer handed out keeps the checked bytes
+        assert bytes(hit) == good
+        assert bytes(other.get_buffer(ref.key)) == good and other.stats.corrupt == 1  # refused, refetched
+        assert path.read_bytes() == good and store_gets(other_tap, ref.key) == 1
+
     def test_damaged_range_source_is_not_trusted(self, run: str, tmp_path: Path) -> None:
         cached, tap = reader(run, tmp_path / "cache")
         ref = objects(cached)[0]

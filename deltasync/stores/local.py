@@ -120,29 +120,37 @@ class LocalStore(Store):
         memory that is neither zero-filled nor copied again (``readinto`` releases the
         GIL while the kernel fills it), so parts of an anchor read side by side.
         """
+        return self.buffer_with_stat(key, max_bytes=max_bytes)[0]
+
+    def buffer_with_stat(self, key: str, *, max_bytes: int | None = None) -> tuple[memoryview, os.stat_result]:
+        """:meth:`get_buffer` that also returns the file's ``fstat`` (for callers that track inodes)."""
         check_limit(max_bytes)
         with self._errors("reading", key):
             fd, st = self.open_regular(key)
-            if st.st_size >= MAP_BYTES and self._mappable():
-                try:
-                    check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
-                    mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-                return memoryview(mapped)
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            return self._buffer(key, fd, st, max_bytes), st
+
+    def _buffer(self, key: str, fd: int, st: os.stat_result, max_bytes: int | None) -> memoryview:
+        """The open file ``fd`` (closed here) as writable memory: mapped, or read into memory."""
+        if st.st_size >= MAP_BYTES and self._mappable():
+            try:
                 check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
-                view = memoryview(np.empty(st.st_size, dtype=np.uint8))
-                got = 0
-                while got < len(view):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                grew = got == len(view) and f.read(1)
-            if grew:  # since fstat: refused over max_bytes, else read whole
-                return memoryview(bytearray(self.get(key, max_bytes=max_bytes)))
-            return view[:got]
+                mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            return memoryview(mapped)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
+            view = memoryview(np.empty(st.st_size, dtype=np.uint8))
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            grew = got == len(view) and f.read(1)
+        if grew:  # since fstat: refused over max_bytes, else read whole
+            return memoryview(bytearray(self.get(key, max_bytes=max_bytes)))
+        return view[:got]
 
     def _mappable(self) -> bool:
         if self._maps is None:

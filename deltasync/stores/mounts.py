@@ -16,9 +16,12 @@ vanish while it is mapped:
   the process (``SIGBUS``) instead of raising an error. Those are read by copying,
   as are filesystems this module does not know.
 
-A tool that rewrites an object's file in place (truncating it) on a local
-filesystem could still end a reader with ``SIGBUS``; nothing of deltasync does,
-and nothing else should write into a live store.
+A tool that rewrites an object's file in place on a local filesystem could
+still end a reader with ``SIGBUS`` (truncating it), or change bytes between their
+check and their copy into the replica; nothing of deltasync does, and nothing
+else should write into a live store. The node cache
+(:class:`~deltasync.cache.CachedStore`), which checks its shared files against
+damage done in place, never maps them.
 """
 
 from __future__ import annotations
