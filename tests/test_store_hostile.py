@@ -121,6 +121,13 @@ class TestMapped:
         copied = LocalStore(local.root, map_reads=False).get_buffer("big")  # the switch off: read into memory
         assert not mapped(copied) and not copied.readonly and bytes(copied) == data
 
+    def test_a_refused_mapping_is_read_instead(self, local: LocalStore) -> None:
+        data = os.urandom(MAP_BYTES)
+        local.put("big", data)
+        with mock.patch("mmap.mmap", side_effect=OSError(errno.ENOMEM, "out of mappings")):
+            buffer = local.get_buffer("big")
+        assert not mapped(buffer) and bytes(buffer) == data
+
     def test_unlinked_or_replaced_object_stays_readable(self, local: LocalStore) -> None:
         first, second = os.urandom(MAP_BYTES), os.urandom(MAP_BYTES)
         local.put("a", first)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -52,6 +53,8 @@ import numpy as np
 from ..errors import ConfigError, ObjectNotFound, PreconditionFailed, StoreError
 from .base import URL_FORMS, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
 from .mounts import filesystem_of, mappable
+
+logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"  # a file still being written: never listed, never read
 _LOCK = ".deltasync-lock"
@@ -135,9 +138,14 @@ class LocalStore(Store):
             try:
                 check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
                 mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except OSError as exc:  # out of mappings (vm.max_map_count) or refused here: read it instead
+                logger.debug("cannot map %s (%s); reading it", key, exc)
+            except BaseException:
                 os.close(fd)
-            return memoryview(mapped)
+                raise
+            else:
+                os.close(fd)
+                return memoryview(mapped)
         with os.fdopen(fd, "rb", buffering=0) as f:
             check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
             view = memoryview(np.empty(st.st_size, dtype=np.uint8))
