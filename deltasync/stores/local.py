@@ -134,20 +134,14 @@ class LocalStore(Store):
 
     def _buffer(self, key: str, fd: int, st: os.stat_result, max_bytes: int | None) -> memoryview:
         """The open file ``fd`` (closed here) as writable memory: mapped, or read into memory."""
-        if st.st_size >= MAP_BYTES and self._mappable():
-            try:
-                check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
-                mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError as exc:  # out of mappings (vm.max_map_count) or refused here: read it instead
-                logger.debug("cannot map %s (%s); reading it", key, exc)
-            except BaseException:
-                os.close(fd)
-                raise
-            else:
-                os.close(fd)
-                return memoryview(mapped)
         with os.fdopen(fd, "rb", buffering=0) as f:
             check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
+            if st.st_size >= MAP_BYTES and self._mappable():
+                try:  # the mapping keeps its own reference to the file: closing ``f`` leaves it mapped
+                    prot = mmap.PROT_READ | mmap.PROT_WRITE
+                    return memoryview(mmap.mmap(f.fileno(), st.st_size, flags=mmap.MAP_PRIVATE, prot=prot))
+                except OSError as exc:  # out of mappings (vm.max_map_count) or refused here: read it instead
+                    logger.debug("cannot map %s (%s); reading it", key, exc)
             view = memoryview(np.empty(st.st_size, dtype=np.uint8))
             got = 0
             while got < len(view):
