@@ -18,8 +18,7 @@ from deltasync import Publisher, Subscriber
 from deltasync.appliers import TorchModuleApplier
 from deltasync.appliers.apply import Patch
 from deltasync.appliers.mapping import PLAIN, IndexMap, Layout, Target, fit_targets
-from deltasync.appliers.verify import check_written, compare_held, merge_compared, prove_map
-from deltasync.appliers.wire import pack
+from deltasync.appliers.verify import check_written, compare_held, merge_compared, pack_held, prove_map
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import TensorSpec, bits_view, fingerprint, published_tensors
 
@@ -179,7 +178,7 @@ class TestProof:
             param = torch.nn.Parameter(held[lo:hi].clone(), requires_grad=False)
             index.targets["w"].append(Target(param, "runtime.w", spec.shape, lo=(lo, 0), hi=(hi, 16), offset=(-lo, 0)))
             counts, masks = compare_held(index, lambda name: weights if name == "w" else None)
-            return counts, pack({name: {"mask": mask} for name, mask in masks.items()}, text=True)
+            return counts, pack_held(masks, text=True)
 
         assert merge_compared({"w": spec}, [rank(0, 4, weights), rank(3, 7, weights)]) == {
             "w": {"read": 128, "wrong": 0, "missing": 16}

@@ -42,10 +42,10 @@ from ..errors import LayoutMismatch, TensorMismatch
 from ..tensors import TensorSpec, bits_view, host_ints
 from .apply import Patch, read_masked, read_through
 from .mapping import IndexMap, Target
-from .wire import unpack
+from .wire import pack, unpack
 
 __all__ = [
-    "Proof", "prove_map", "compare_held", "merge_compared", "check_written", "check_proofs", "PROOF_CHUNK",
+    "Proof", "prove_map", "compare_held", "pack_held", "merge_compared", "check_written", "check_proofs", "PROOF_CHUNK",
     "VERIFY_SAMPLES",
 ]
 
@@ -144,11 +144,16 @@ def compare_held(
     return counts, masks
 
 
+def pack_held(masks: Mapping[str, np.ndarray], *, text: bool) -> bytes | str:
+    """Rank side: :func:`compare_held`'s masks as one :func:`~.wire.pack` blob, as :func:`merge_compared` reads them."""
+    return pack({name: {"mask": mask} for name, mask in masks.items()}, text=text)
+
+
 def merge_compared(
     specs: Mapping[str, TensorSpec], answers: Iterable[tuple[Mapping[str, Any], Any]]
 ) -> dict[str, dict[str, int]]:
     """Follower side: the ranks' :func:`compare_held` answers (counts, and their masks as
-    :func:`~.wire.pack` sent them) as one per tensor: ``{"read", "wrong", "missing"}``, where
+    :func:`pack_held` sent them) as one per tensor: ``{"read", "wrong", "missing"}``, where
     ``missing`` counts the elements no rank holds."""
     out: dict[str, dict[str, int]] = {}
     union: dict[str, np.ndarray] = {}

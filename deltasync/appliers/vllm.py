@@ -60,7 +60,7 @@ from .cpu_hooks import (
     repack_touched,
 )
 from .mapping import IndexMap
-from .verify import VERIFY_SAMPLES, check_written, compare_held, prove_map
+from .verify import VERIFY_SAMPLES, check_written, compare_held, pack_held, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
 from .wire import pack, specs_from_json, unpack
 from .worker_decode import accelerator_of, decode_here, refusal_to_json, warm_decoder
@@ -205,12 +205,11 @@ class DeltaSyncWorkerExtension:
         """How the elements this rank holds compare with the safetensors checkpoint in the directory
         ``checkpoint`` on this worker's machine (:func:`~.verify.compare_held`): per tensor the directory has,
         elements read back and how many differ, and which elements were read (a bit per element,
-        :func:`~.wire.pack`). O(numel) here; no weights go back."""
+        :func:`~.verify.pack_held`). O(numel) here; no weights go back."""
         index = _require_index(self)
         with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
             counts, masks = compare_held(index, loaded)
-        held = pack({name: {"mask": mask} for name, mask in masks.items()}, text=text)
-        return {"rank": _rank(self), "tensors": counts, "held": held}
+        return {"rank": _rank(self), "tensors": counts, "held": pack_held(masks, text=text)}
 
     def deltasync_gather(self, name: str, text: bool = False) -> dict[str, Any]:
         """Every element of checkpoint tensor ``name`` this rank holds, read through the map (for tests).
