@@ -128,6 +128,22 @@ class TestMapped:
             buffer = local.get_buffer("big")
         assert not mapped(buffer) and bytes(buffer) == data
 
+    def test_mappings_alive_at_once_are_bounded(self, local: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Each mapping holds a file descriptor: past MAX_MAPPED alive, objects are read until some go."""
+        import gc
+
+        from deltasync.stores import local as local_module
+
+        data = os.urandom(MAP_BYTES)
+        local.put("big", data)
+        gc.collect()  # mappings of earlier tests are gone
+        monkeypatch.setattr(local_module, "MAX_MAPPED", local_module._live_maps[0] + 2)
+        held = [local.get_buffer("big") for _ in range(3)]
+        assert [mapped(b) for b in held] == [True, True, False] and all(bytes(b) == data for b in held)
+        del held[0]
+        gc.collect()
+        assert mapped(local.get_buffer("big"))
+
     def test_unlinked_or_replaced_object_stays_readable(self, local: LocalStore) -> None:
         first, second = os.urandom(MAP_BYTES), os.urandom(MAP_BYTES)
         local.put("a", first)

@@ -42,7 +42,9 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 MAP_BYTES = 1 << 20  # objects this large or larger are mapped where the filesystem allows (get_buffer)
+MAX_MAPPED = 256  # mappings alive at once per process (each holds a descriptor: Python's mmap keeps one); more are read
+_live_maps = [0]  # mappings alive now, under _maps_lock
+_maps_lock = threading.Lock()
 WRITE_CHUNK = 1 << 30  # bytes per write(2) call: Linux moves at most 2 GiB - 4 KiB per call anyway
 _FULL = {errno.ENOSPC: "the disk is full: no space left on {}", errno.EDQUOT: "the disk quota is exceeded on {}"}
 _KINDS = (
@@ -137,11 +142,9 @@ class LocalStore(Store):
         with os.fdopen(fd, "rb", buffering=0) as f:
             check_size(key, st.st_size, max_bytes, where=self.url, backend="file")
             if st.st_size >= MAP_BYTES and self._mappable():
-                try:  # the mapping keeps its own reference to the file: closing ``f`` leaves it mapped
-                    prot = mmap.PROT_READ | mmap.PROT_WRITE
-                    return memoryview(mmap.mmap(f.fileno(), st.st_size, flags=mmap.MAP_PRIVATE, prot=prot))
-                except OSError as exc:  # out of mappings (vm.max_map_count) or refused here: read it instead
-                    logger.debug("cannot map %s (%s); reading it", key, exc)
+                mapped = _map(f.fileno(), st.st_size, key)
+                if mapped is not None:
+                    return mapped
             view = memoryview(np.empty(st.st_size, dtype=np.uint8))
             got = 0
             while got < len(view):
@@ -435,6 +438,30 @@ def local_path(url: str) -> str:
     if not rest:
         raise ConfigError(f"file URL {url!r} names no path; use {URL_FORMS}", argument="url")
     return unquote(rest)
+
+
+def _map(fd: int, size: int, key: str) -> memoryview | None:
+    """A private, writable mapping of ``size`` bytes of ``fd`` (closing ``fd`` leaves it mapped: the mapping
+    keeps a descriptor of its own), or ``None`` where it is better read: :data:`MAX_MAPPED` mappings are
+    alive (a replica holding every part of a large anchor must not run out of descriptors), or the kernel
+    refuses (out of mappings under ``vm.max_map_count``, or a file it will not map)."""
+    with _maps_lock:
+        if _live_maps[0] >= MAX_MAPPED:
+            return None
+        _live_maps[0] += 1
+    try:
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        _unmapped()
+        logger.debug("cannot map %s (%s); reading it", key, exc)
+        return None
+    weakref.finalize(mapped, _unmapped)
+    return memoryview(mapped)
+
+
+def _unmapped() -> None:
+    with _maps_lock:
+        _live_maps[0] -= 1
 
 
 def _write_new(dfd: int, name: str, parts: Iterable[Any]) -> None:
