@@ -222,6 +222,7 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "sharded-2-ranks": sharded,
         "format-2-blake3": blake3_case,
         "format-3-value-blake3": blake3_case,
+        "anchors-by-entries": by_entries_case,
     }
 
 
@@ -229,6 +230,7 @@ FROZEN = {  # written by earlier writers and kept as they are: what was written 
     1: ("shapes-bf16-compact", "shapes-bf16-compact-abs", "shapes-bf16-compact-exp", "shapes-bf16-raw",
         "dtypes-f16-f32-compact", "anchors-multipart-retired", "sharded-2-ranks"),  # SHA-256 digests
     2: ("format-2-blake3",),  # BLAKE3 digests for objects, headers and entries; BLAKE2b value digests
+    3: ("format-3-value-blake3", "shapes-bf16-exp-rice"),  # manifest schema 2: anchors by whole-object BLAKE3
 }
 
 
@@ -236,6 +238,54 @@ def blake3_case(root: Path) -> None:
     """BLAKE3 digests for objects, headers and entries (and, from format 3, values); anchors in two parts."""
     weights = shapes_model()
     write_case(root, weights, run(root, weights, shapes_steps(weights), anchor_every=1000, part_bytes=64 << 10))
+
+
+def by_entries_case(root: Path) -> None:
+    """Manifest schema 3: anchors (in parts, one every two versions) referenced by their headers' digests
+    (``blake3-entries``), deltas by whole-object BLAKE3."""
+    weights = dtypes_model()
+    write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=2, part_bytes=4 << 10))
+
+
+def broken_by_entries(out: Path, source: Path) -> None:
+    """Copies of the ``blake3-entries`` case, its first anchor the only one, damaged where only its entries'
+    digests can tell: a reader that checks the header alone would accept them."""
+    manifest = json.loads((source / "store" / "manifest.json").read_text())
+    ref = manifest["versions"][0]["anchor"][0]
+    case = json.loads((source / "case.json").read_text())
+
+    def make(name: str, why: str, fault: Callable[[Path], None]) -> None:
+        root = out / name
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(source / "store", root / "store")
+        only_first_anchor(root / "store")
+        fault(root / "store")
+        refuse = {"version": 0, "error": "IntegrityError", "why": why}
+        (root / "case.json").write_text(
+            json.dumps({**case, "versions": {}, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
+        )
+
+    def only_first_anchor(store: Path) -> None:  # every route then starts at the damaged anchor
+        edited = json.loads((store / "manifest.json").read_text())
+        for version in edited["versions"][1:]:
+            for later in version.pop("anchor", []):
+                (store / later["key"]).unlink()
+        (store / "manifest.json").write_text(json.dumps(edited, indent=1, ensure_ascii=False))
+
+    def flip(store: Path) -> None:
+        data = bytearray((store / ref["key"]).read_bytes())
+        data[-3] ^= 0x01  # in the last tensor's bytes; the header and its digest are untouched
+        (store / ref["key"]).write_bytes(bytes(data))
+
+    def tail(store: Path) -> None:
+        data = (store / ref["key"]).read_bytes() + bytes(8)
+        (store / ref["key"]).write_bytes(data)
+        edited = json.loads((store / "manifest.json").read_text())
+        edited["versions"][0]["anchor"][0]["size"] = len(data)  # the size matches; no tensor covers the tail
+        (store / "manifest.json").write_text(json.dumps(edited, indent=1, ensure_ascii=False))
+
+    make("flipped-byte-entries", "one byte of a tensor differs from the BLAKE3 its anchor's header lists", flip)
+    make("unhashed-tail-entries", "8 bytes after the last tensor, in the manifest's size but in no entry", tail)
 
 
 # ---------------------------------------------------------------------------------------------- sharded
@@ -447,6 +497,8 @@ def main(argv: list[str]) -> None:
         for name in only:
             shutil.rmtree(ROOT / "broken" / f"{name}-format-3", ignore_errors=True)
         broken(ROOT / "broken", ROOT / "golden" / "format-3-value-blake3", suffix="-format-3", only=only)
+    if "anchors-by-entries" in names:
+        broken_by_entries(ROOT / "broken", ROOT / "golden" / "anchors-by-entries")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

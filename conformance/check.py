@@ -7,7 +7,8 @@ For each case it reads ``store/manifest.json``, holds zero-filled tensors of
 the case's ``model``, and walks the versions in order exactly as
 docs/CONFORMANCE.md describes for any implementation: the first anchor, then
 each version's delta (or its anchor when it has no delta); every object's size
-and SHA-256 against the manifest, every header against the model and the
+and digest against the manifest (whole, or by its header and tensors for
+``blake3-entries``), every header against the model and the
 manifest's claim; after each version, each tensor's SHA-256 against
 ``case.json``. A golden case passes when every listed version is reached with
 the expected digests; a broken case passes when the walk reaches exactly the

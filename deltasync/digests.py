@@ -7,6 +7,12 @@ SHA-256 and 5x faster on one core (6.7 against 1.3 GB/s on a 2-core Xeon with
 SHA extensions), which is what lets anchors move at memory speed. Readers also
 accept SHA-256, the digest of format 1, so everything written before stays
 readable. Both give 32-byte digests, written as 64 lowercase hex digits.
+
+An object reference may instead name :data:`BY_ENTRIES` (manifest schema 3):
+its digest is the BLAKE3 of the object's header alone, and the header lists
+the BLAKE3 of every tensor's bytes, so a reader checks the whole object by its
+parts. A writer then hashes each byte once, not twice (the tensors, then the
+whole file), which is most of what publishing an anchor costs.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from typing import Any, Protocol
 WRITE = "blake3"
 """The algorithm current writers use."""
 ALGORITHMS = ("blake3", "sha256")
-"""Every algorithm a reader accepts, by its JSON key."""
+"""Every algorithm a reader accepts for a run of bytes, by its JSON key."""
+BY_ENTRIES = "blake3-entries"
+"""An object reference's algorithm for an object checked by its parts: the digest is
+the BLAKE3 of the object's header, whose entries carry the BLAKE3 of every tensor."""
+OBJECT_ALGORITHMS = (*ALGORITHMS, BY_ENTRIES)
+"""Every algorithm an object reference in a manifest may name."""
 
 
 class Hash(Protocol):
@@ -29,18 +40,19 @@ class Hash(Protocol):
 
 
 def hasher(algorithm: str = WRITE) -> Hash:
-    """A fresh incremental hash of ``algorithm`` (one of :data:`ALGORITHMS`).
+    """A fresh incremental hash of ``algorithm`` (one of :data:`OBJECT_ALGORITHMS`;
+    :data:`BY_ENTRIES` hashes with BLAKE3).
 
     BLAKE3 hashes large buffers on several threads (the digest is the same, and
     small ones cost no more): one large object verifies at several GB/s.
     """
-    if algorithm == "blake3":
+    if algorithm in ("blake3", BY_ENTRIES):
         import blake3
 
         return blake3.blake3(max_threads=blake3.blake3.AUTO)
     if algorithm == "sha256":
         return hashlib.sha256()
-    raise ValueError(f"unknown digest algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    raise ValueError(f"unknown digest algorithm {algorithm!r}; expected one of {OBJECT_ALGORITHMS}")
 
 
 def hexdigest(buffers: Iterable[Any], algorithm: str = WRITE) -> str:
@@ -64,14 +76,16 @@ def is_hex(value: object) -> bool:
     return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
-def read(raw: Mapping[str, Any], what: str, error: type[Exception]) -> tuple[str, Any] | None:
-    """``(algorithm, value)`` of the one digest key in ``raw`` (a JSON object describing ``what``); ``None``
-    when it has none.
+def read(
+    raw: Mapping[str, Any], what: str, error: type[Exception], names: tuple[str, ...] = ALGORITHMS
+) -> tuple[str, Any] | None:
+    """``(algorithm, value)`` of the one digest key among ``names`` in ``raw`` (a JSON object describing
+    ``what``); ``None`` when it has none.
 
     Raises:
         ``error``: two digests for one thing (a writer names exactly one).
     """
-    found = [(name, raw[name]) for name in ALGORITHMS if name in raw]
+    found = [(name, raw[name]) for name in names if name in raw]
     if len(found) > 1:
         raise error(f"{what}: two digests ({', '.join(name for name, _ in found)}) where one is expected")
     return found[0] if found else None

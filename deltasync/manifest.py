@@ -10,7 +10,8 @@ prefix, versions only go forward), planning the cheapest route from a
 replica's version to the latest, and planning retention. The publisher and the
 subscriber do the I/O.
 
-Schema 2 adds BLAKE3 object digests; otherwise schemas only add fields with
+Schema 2 adds BLAKE3 object digests, schema 3 objects checked by their header's
+per-tensor digests (``blake3-entries``); otherwise schemas only add fields with
 defaults. ``tests/golden/manifest_v1.json`` keeps old manifests readable.
 """
 
@@ -28,18 +29,9 @@ from .errors import ManifestError
 from .jsonio import load_json
 from .keys import MANIFEST_KEY, check_key
 
-__all__ = [
-    "MANIFEST_KEY",
-    "ObjectRef",
-    "VersionEntry",
-    "Manifest",
-    "Step",
-    "Plan",
-    "plan_route",
-    "plan_retention",
-]
+__all__ = ["MANIFEST_KEY", "ObjectRef", "VersionEntry", "Manifest", "Step", "Plan", "plan_route", "plan_retention"]
 
-SCHEMA = 2  # 2: objects may carry a BLAKE3 digest instead of SHA-256 (readers accept 1 and 2)
+SCHEMA = 3  # 2: BLAKE3 object digests besides SHA-256; 3: objects checked by their entries (readers accept 1-3)
 FORMAT = "deltasync-manifest"
 # Objects dropped from the manifest stay this long before deletion, so a replica
 # that read the previous manifest can still finish its download.
@@ -76,7 +68,9 @@ class ObjectRef:
     header. A reader that range-reads only some tensors verifies the header with it,
     then each tensor with the digest the header lists for it."""
     algorithm: str = digests.WRITE
-    """Hash of :attr:`digest` and the header's: ``"blake3"`` (current writers) or ``"sha256"``; their JSON key."""
+    """Hash of :attr:`digest` and the header's, their JSON key: ``"blake3"`` (current writers' deltas),
+    ``"sha256"``, or ``"blake3-entries"`` (current writers' anchors: :attr:`digest` is the header's, and
+    the header's per-tensor digests cover the rest; see :mod:`deltasync.format.check`)."""
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -84,12 +78,14 @@ class ObjectRef:
             raise ManifestError(f"bad rank {self.rank!r} for {self.key}", key=self.key)
         if not _is_int(self.size, 0, MAX_COUNT):
             raise ManifestError(f"bad size {self.size!r} for {self.key}", key=self.key)
-        if self.algorithm not in digests.ALGORITHMS or not digests.is_hex(self.digest):
+        if self.algorithm not in digests.OBJECT_ALGORITHMS or not digests.is_hex(self.digest):
             raise ManifestError(f"bad {self.algorithm} for {self.key}", key=self.key)
         if self.header is not None:
             size, digest = self.header
             if not _is_int(size, 8, self.size + 1) or not digests.is_hex(digest):
                 raise ManifestError(f"bad header reference for {self.key}", key=self.key)
+        if self.algorithm == digests.BY_ENTRIES and (self.header is None or self.header[1] != self.digest):
+            raise ManifestError(f"{self.key}: a {digests.BY_ENTRIES} digest is its header's", key=self.key)
 
     @classmethod
     def of(
@@ -99,8 +95,13 @@ class ObjectRef:
         return cls(key, sum(memoryview(b).nbytes for b in buffers), digests.hexdigest(buffers), rank, header)
 
     def verify(self, data: Any) -> bool:
-        """Whether ``data`` (bytes-like) is this object: its size and digest."""
-        return memoryview(data).nbytes == self.size and digests.matches([data], self.algorithm, self.digest)
+        """Whether ``data`` (bytes-like) is this object: its size and digest, or its header's and entries'."""
+        if memoryview(data).nbytes != self.size:
+            return False
+        if self.algorithm == digests.BY_ENTRIES:
+            from .format.check import intact_by_entries  # lazily: reading headers is the format's business
+            return intact_by_entries(data, self.header)  # type: ignore[arg-type]
+        return digests.matches([data], self.algorithm, self.digest)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "size": self.size, self.algorithm: self.digest}
@@ -115,15 +116,15 @@ class ObjectRef:
         if not isinstance(raw, dict):
             raise ManifestError("object reference must be a JSON object")
         what = f"object reference {raw.get('key')!r}"
-        found = digests.read(raw, what, ManifestError)
+        found = digests.read(raw, what, ManifestError, digests.OBJECT_ALGORITHMS)
         if found is None:
-            raise ManifestError(f"{what} has no digest ({' or '.join(digests.ALGORITHMS)})")
+            raise ManifestError(f"{what} has no digest ({' or '.join(digests.OBJECT_ALGORITHMS)})")
         algorithm, digest = found
         header = raw.get("header")
         if header is not None:
             if not isinstance(header, dict):
                 raise ManifestError("object reference 'header' must be a JSON object")
-            head = digests.read(header, what, ManifestError)
+            head = digests.read(header, what, ManifestError, digests.OBJECT_ALGORITHMS)
             if head is None or head[0] != algorithm:
                 raise ManifestError(f"the header reference of {what} must carry its object's {algorithm}")
             header = (header.get("size"), head[1])
@@ -216,8 +217,8 @@ class Manifest:
     """Keys dropped from ``versions`` and when; deleted after a grace period."""
     updated: float = 0.0
     """Time of this write."""
-    schema: int = SCHEMA
-    """Manifest schema revision."""
+    schema: int = 2
+    """Schema it was read with (new: 2); written as the lowest naming every object's algorithm, 1 kept 1."""
 
     def __post_init__(self) -> None:
         for what in ("run_id", "fingerprint", "writer"):
@@ -280,11 +281,12 @@ class Manifest:
         return replace(self, versions=self.versions + (entry,), updated=now, lease_until=now + lease_s)
 
     def to_bytes(self) -> bytes:
-        # Schema 2 once any object has a BLAKE3 digest: a schema 1 reader says "upgrade" instead of failing on it.
-        blake3 = any(ref.algorithm != "sha256" for v in self.versions for ref in (*v.delta, *v.anchor))
+        # The lowest schema that names every object's algorithm: an older reader says "upgrade" instead of failing.
+        algorithms = {ref.algorithm for v in self.versions for ref in v.objects()}
+        needed = 3 if digests.BY_ENTRIES in algorithms else 2 if algorithms - {"sha256"} else 1
         body = {
             "format": FORMAT,
-            "schema": max(self.schema, 2) if blake3 else self.schema,
+            "schema": max(needed, min(self.schema, 2)),
             "run_id": self.run_id,
             "fingerprint": self.fingerprint,
             "numel": self.numel,
@@ -366,7 +368,6 @@ def _retired(item: Any) -> tuple[str, float]:
     if not isinstance(item, list) or len(item) != 2:
         raise ManifestError("manifest field 'retired' holds [key, time] pairs")
     return check_key(item[0]), _time(item[1], "retired time")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,7 +487,6 @@ def new_manifest(*, run_id: str, fingerprint: str, numel: int, writer: str, leas
     """An empty manifest for a fresh run."""
     now = time.time()
     return Manifest(run_id, fingerprint, numel, writer, now + lease_s, updated=now)
-
 
 
 def summarize(manifest: Manifest) -> Mapping[str, Any]:

@@ -44,6 +44,7 @@ from .commit import ORPHAN_GRACE_S as ORPHAN_GRACE_S  # re-exported; defined wit
 from .commit import ManifestWriter
 from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from .diff import ChangeSet, Snapshot, diff
+from .digests import BY_ENTRIES
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
 from .format import DEFAULT_LEVEL, Window, encode_anchor_parts, encode_delta, header_ref
 from .forms import Forms, smallest
@@ -58,9 +59,8 @@ __all__ = ["Publisher", "PublishInfo", "PublisherStats", "ORPHAN_GRACE_S", "swee
 logger = logging.getLogger("deltasync.publisher")
 
 MAX_ERRORS_KEPT = 20  # recent failure messages kept in stats during an outage
-# The first publish waits this long for the prefix to be opened in the background, so a
-# second trainer or another model's prefix is refused at once, while a store that is down
-# at start-up costs training at most this much (the worker keeps trying).
+# The first publish waits this long for the prefix to open in the background: a second trainer or another
+# model's prefix is refused at once; a store down at start-up costs training at most this (the worker retries).
 OPEN_WAIT_S = 10.0
 
 
@@ -359,11 +359,14 @@ class Publisher:
             self._last_error = None
             raise error
 
-    def _upload(self, key: str, data: bytes | list[Any]) -> ObjectRef:
-        """Write one object (bytes, or buffers that the store writes one after another) and reference it."""
+    def _upload(self, key: str, data: bytes | list[Any], *, by_entries: bool = False) -> ObjectRef:
+        """Write one object (bytes, or buffers written one after another) and reference it."""
         parts = [data] if isinstance(data, bytes) else data
         self.store.put_parts(key, parts, mode="create" if self.store.conditional_writes else "overwrite")
-        return ObjectRef.of(key, parts, self._rank, header_ref(parts[0]))
+        head = header_ref(parts[0])
+        if by_entries:  # an anchor, by its header (``blake3-entries``), which lists every tensor's digest
+            return ObjectRef(key, sum(memoryview(b).nbytes for b in parts), head[1], self._rank, head, BY_ENTRIES)
+        return ObjectRef.of(key, parts, self._rank, head)
 
     def _diff(self) -> tuple[str | None, ChangeSet]:
         """The changes since the last version; of the smallest form when the model has several."""
@@ -452,12 +455,11 @@ class Publisher:
         encode_s = [0.0] * len(groups)
 
         def encode_and_upload(i: int, group: dict[str, torch.Tensor]) -> ObjectRef:
-            # Parts encode (entry digests, a header; no copy of the weights) and upload on the
-            # upload threads side by side; their buffers view the snapshot, unchanged until all are written.
+            # Parts encode (tensor digests, a header; no copy) and upload side by side, viewing the snapshot.
             t0 = time.perf_counter()
             parts = encode_anchor_parts(group, version=version, model=model, rows=self._rows)
             encode_s[i] = time.perf_counter() - t0
-            return self._upload(anchor_part_key(prefix, i), parts)
+            return self._upload(anchor_part_key(prefix, i), parts, by_entries=True)
 
         futures = [  # a rank that holds nothing uploads nothing
             self._uploads.submit(encode_and_upload, i, group) for i, group in enumerate(g for g in groups if g)

@@ -59,6 +59,28 @@ class TestSchema:
         back = Manifest.from_bytes(json.dumps(raw).encode())
         assert back.entry(4).delta[0] == new and back.entry(3).delta[0].algorithm == "sha256"
 
+    def test_anchors_by_entries_make_schema_3_and_only_while_listed(self, monkeypatch) -> None:
+        """Schema 3 names ``blake3-entries``: written only while such a reference is listed, so a replica too
+        old to check one says "upgrade" instead of seeing a reference without a digest."""
+        head = (24, "c" * 64)
+        anchor = ObjectRef("anchors/0000000005-0a1b2c3d-part0000.safetensors", 1000, head[1], None, head,
+                           "blake3-entries")
+        m = build(5, {0: 1000})
+        with_anchor = m.with_version(VersionEntry(5, delta=(ref("deltas/5", 10),), anchor=(anchor,)),
+                                     now=1.0, lease_s=1.0)
+        raw = json.loads(with_anchor.to_bytes())
+        assert raw["schema"] == 3 and raw["versions"][-1]["anchor"][0] == {
+            "key": anchor.key, "size": 1000, "blake3-entries": "c" * 64,
+            "header": {"size": 24, "blake3-entries": "c" * 64},
+        }
+        back = Manifest.from_bytes(with_anchor.to_bytes())
+        assert back.schema == 3 and back.entry(5).anchor[0] == anchor
+        assert json.loads(plan_retention(back, keep_anchors=1, now=2.0).to_bytes())["schema"] == 3
+        assert json.loads(m.to_bytes())["schema"] == 2
+        monkeypatch.setattr("deltasync.manifest.SCHEMA", 2)  # a reader from before schema 3
+        with pytest.raises(ManifestError, match="schema 3 is not supported; upgrade deltasync"):
+            Manifest.from_bytes(with_anchor.to_bytes())
+
     def test_unknown_fields_are_ignored(self) -> None:
         raw = json.loads(GOLDEN.read_bytes())
         raw["future_field"] = {"x": 1}
@@ -83,6 +105,9 @@ class TestSchema:
             (lambda r: r["versions"][1]["delta"][0].update(blake3="1" * 64), "two digests"),
             (lambda r: r["versions"][1]["delta"][0].update(sha256="1" * 63), "bad sha256"),
             (lambda r: r["versions"][1]["delta"][0].update(header={"size": 8, "blake3": "1" * 64}), "must carry"),
+            (lambda r: r["versions"][1]["delta"][0].update({"blake3-entries": "1" * 64}), "two digests"),
+            (lambda r: r["versions"][0]["anchor"][0].update({"blake3-entries": r["versions"][0]["anchor"][0].pop(
+                "sha256")}), "header"),
         ],
     )
     def test_bad_manifests_refused(self, mutate, match: str) -> None:

@@ -22,7 +22,7 @@ from ..codec.packed import chunks, decode_chunk
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
-from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, entry_span, raw_header, read_header
+from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, raw_header, read_header, tiled_spans
 
 __all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
@@ -79,15 +79,7 @@ def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor
     layout = raw_header(view)
     head = 8 + int.from_bytes(view[:8], "little")
     body = len(view) - head
-    spans = {name: entry_span(info, body, name) for name, info in layout.items() if name != "__metadata__"}
-    at = 0
-    for start, stop in sorted(spans.values()):
-        if start != at:
-            raise DeltaFormatError(f"corrupt safetensors body: entries do not tile the data area (a gap or an "
-                                   f"overlap at byte {start})")
-        at = stop
-    if at != body:
-        raise DeltaFormatError(f"corrupt safetensors body: entries end at byte {at} of {body}")
+    spans = tiled_spans(layout, body)
     out = {}
     whole = torch.frombuffer(view, dtype=torch.uint8)  # a delta's streams are slices of it (a view each)
     for name, (start, stop) in spans.items():

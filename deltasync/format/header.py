@@ -40,6 +40,8 @@ __all__ = [
     "entry_digest",
     "metadata_strings",
     "header_ref",
+    "tiled_spans",
+    "entry_groups",
     "raw_header",
     "entry_span",
     "read_header",
@@ -246,6 +248,36 @@ def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[
     if not ok or not start <= stop <= body or stop - start != math.prod(shape) * dtype.itemsize:
         raise DeltaFormatError(f"{key}: entry {entry!r} has an impossible type, shape or byte range", key=key)
     return start, stop
+
+
+def tiled_spans(layout: dict[str, Any], body: int, key: str = "file") -> dict[str, tuple[int, int]]:
+    """Every safetensors entry's ``[start, stop)`` in a data area of ``body`` bytes, checked to tile it
+    exactly: no byte outside an entry, none in two.
+
+    Raises:
+        `DeltaFormatError`: an impossible entry (see :func:`entry_span`), a gap, an overlap, or entries that
+            end before the data area does.
+    """
+    spans = {name: entry_span(info, body, name, key) for name, info in layout.items() if name != "__metadata__"}
+    at = 0
+    for start, stop in sorted(spans.values()):
+        if start != at:
+            raise DeltaFormatError(f"corrupt safetensors body: entries do not tile the data area (a gap or an "
+                                   f"overlap at byte {start})", key=key)
+        at = stop
+    if at != body:
+        raise DeltaFormatError(f"corrupt safetensors body: entries end at byte {at} of {body}", key=key)
+    return spans
+
+
+def entry_groups(header: Header, layout: dict[str, Any]) -> dict[str, list[str]]:
+    """The safetensors entries of each tensor, in entry-name order (an anchor's entry is the tensor's name,
+    a delta's are ``T::part``); an entry of a tensor the header does not list is grouped under its owner."""
+    groups: dict[str, list[str]] = {}
+    for entry in sorted(name for name in layout if name != "__metadata__"):
+        owner = entry if header.kind == "anchor" else entry.rpartition("::")[0]
+        groups.setdefault(owner, []).append(entry)
+    return groups
 
 
 def raw_header(data: bytes | memoryview) -> dict[str, Any]:
