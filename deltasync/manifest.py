@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from . import digests
 from .errors import ManifestError
+from .format.check import intact_by_entries
 from .jsonio import load_json
 from .keys import MANIFEST_KEY, check_key
 
@@ -99,7 +100,6 @@ class ObjectRef:
         if memoryview(data).nbytes != self.size:
             return False
         if self.algorithm == digests.BY_ENTRIES:
-            from .format.check import intact_by_entries  # lazily: reading headers is the format's business
             return intact_by_entries(data, self.header)  # type: ignore[arg-type]
         return digests.matches([data], self.algorithm, self.digest)
 
