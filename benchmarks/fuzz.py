@@ -8,7 +8,11 @@ mutated inputs through the code that reads them, the way a replica does:
   ``decode(base=applier.lookup)``, the subscriber's order;
 - ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
-  ``plan_retention`` (what a replica and a publisher do with it next).
+  ``plan_retention`` (what a replica and a publisher do with it next);
+- ``object``: the check of an object referenced by its entries
+  (``blake3-entries``), with the header digest taken from the mutated file
+  itself so that every check past the header is reached: it may only answer
+  intact or not (refusals counted as ``IntegrityError``, as the fetcher raises).
 
 Seeds are the golden files (``tests/golden``) and freshly encoded deltas of every
 codec (sparse, dense, special values) and anchors, plus manifests of a real run.
@@ -52,8 +56,10 @@ from _common import RESULTS, machine, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
-from deltasync.errors import DeltaSyncError  # noqa: E402
+from deltasync.digests import hexdigest  # noqa: E402
+from deltasync.errors import DeltaSyncError, IntegrityError  # noqa: E402
 from deltasync.format import decode, encode_anchor, encode_delta, read_header  # noqa: E402
+from deltasync.format.check import intact_by_entries  # noqa: E402
 from deltasync.manifest import Manifest, plan_retention, plan_route  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
@@ -315,6 +321,13 @@ def run_receiver(data: bytes, applier: TorchModuleApplier, rng: random.Random) -
     decode(data, base=applier.lookup, header=header)
 
 
+def run_object(data: bytes, applier: Any, rng: random.Random) -> None:
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    size = min(8 + length, len(data))
+    if not intact_by_entries(data, (size, hexdigest([data[:size]], "blake3"))):
+        raise IntegrityError("not intact")
+
+
 def run_manifest(data: bytes, applier: Any, rng: random.Random) -> None:
     manifest = Manifest.from_bytes(data)
     latest = manifest.latest
@@ -327,6 +340,7 @@ TARGETS: dict[str, tuple[Callable[..., None], Callable[[random.Random, list[byte
     "decode": (run_decode, mutate_file),
     "receiver": (run_receiver, mutate_file),
     "manifest": (run_manifest, mutate_manifest),
+    "object": (run_object, mutate_file),
 }
 
 
