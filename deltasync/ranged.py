@@ -36,7 +36,7 @@ import torch
 
 from . import digests
 from .errors import DeltaFormatError, IntegrityError
-from .format import SAFETENSORS_DTYPES, Header, entry_span, header_of, raw_header
+from .format import SAFETENSORS_DTYPES, Header, entry_groups, entry_span, header_of, raw_header
 from .manifest import ObjectRef
 from .stores import Store
 
@@ -107,13 +107,8 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
 
 def _entry_keys(header: Header, layout: dict, names: tuple[str, ...], key: str) -> dict[str, list[str]]:
     """Per wanted tensor, the safetensors entries that carry it."""
-    keys: dict[str, list[str]] = {name: [] for name in names}
-    for entry in layout:
-        if entry == "__metadata__":
-            continue
-        owner = entry if header.kind == "anchor" else entry.rpartition("::")[0]
-        if owner in keys:
-            keys[owner].append(entry)
+    groups = entry_groups(header, layout)
+    keys = {name: groups.get(name, []) for name in names}
     empty = [name for name, found in keys.items() if not found]
     if empty:
         raise DeltaFormatError(f"{key}: no entries for {empty[:5]}", key=key)
