@@ -261,6 +261,7 @@ class TestGRPOServerMode:
     ) -> None:
         import trl.generation.vllm_client as vllm_client
 
+        from deltasync.appliers.file_drop import DROP_PREFIX, drop_parent
         from deltasync.appliers.vllm_follower import VLLMFollower
         from deltasync.integrations import DeltaSyncCallback
         from tests.vllm_helpers import assert_engine_exact
@@ -290,6 +291,11 @@ class TestGRPOServerMode:
             final = callback.version
             assert final is not None and final >= 3
             callback.wait_for(final, timeout=120)  # the last version is applied too (no generation waited for it)
+        # The server runs on this machine: the anchor reached its worker as a dropped file, not as base64
+        # text, and the stopped follower left nothing in the drop.
+        follower_log = (logs / f"follower-{backend}.log").read_text()
+        assert "anchors go to the engine's workers as files in" in follower_log, follower_log[-3000:]
+        assert not list(drop_parent().glob(f"{DROP_PREFIX}{follower_process.pid}-*"))
 
         # No NCCL: the communicator was never opened and no process group exists.
         assert calls == [] and trainer.vllm_generation.vllm_client.communicator is None

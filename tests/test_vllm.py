@@ -241,6 +241,36 @@ class TestPlainWeights:
         assert follower.engine_version() == version
         assert greedy(llm) == before
 
+    def test_an_anchor_handed_over_as_files_on_this_machine_is_written_exactly(self, plain_run) -> None:
+        """The worker reads an anchor the follower dropped (a server's path: no base64 text), checks it and
+        writes every element; a dropped file that is not the follower's is answered ``unreadable`` (not a
+        refusal of the version) and nothing is written."""
+        from deltasync.appliers.file_drop import FileDrop
+        from deltasync.format import encode_anchor
+
+        _, follower, _, trainer, _ = plain_run
+        weights = trainer.bf16()
+        flipped = {n: (t.view(torch.int16) ^ 1).view(torch.bfloat16) for n, t in weights.items()}
+        drop = FileDrop(follower._rpc)
+        try:
+            assert drop.readable()  # the engine's worker process reads this process's files
+            version = follower.engine_version()
+            for target in (flipped, weights):
+                with drop.files([encode_anchor(target, version=5)]) as refs:
+                    (answer,) = follower._rpc("deltasync_apply_files", refs, "anchor", None)
+                assert not answer.get("refused") and not answer.get("unreadable") and answer["wrong"] == []
+                assert answer["verified"] == sum(t.numel() for t in target.values())
+                assert_engine_exact(follower, target)
+                if target is flipped:
+                    with drop.files([encode_anchor(weights, version=6)]) as refs:
+                        Path(refs[0]["path"]).write_bytes(encode_anchor(weights, version=7))  # not the one hashed
+                        (answer,) = follower._rpc("deltasync_apply_files", refs, "anchor", None)
+                    assert "IntegrityError" in answer["unreadable"] and "written" not in answer
+                    assert_engine_exact(follower, flipped)
+            assert follower.engine_version() == version  # no version given: the label stays
+        finally:
+            drop.close()
+
 
 class TestTensorParallel:
     def test_tp2_qwen3_exact_on_both_ranks(self, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

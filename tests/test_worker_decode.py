@@ -195,3 +195,53 @@ def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_
         for name, param in params.items():
             assert torch.equal(param.data.cpu().view(torch.int16), new[name].view(torch.int16)), name
     assert syncs[0] == syncs[1], syncs
+
+
+def _layouts() -> list[tuple[str, torch.Size, torch.Tensor, torch.Tensor, torch.dtype]]:
+    """(label, runtime shape, checkpoint flat indices, their runtime flat indices, runtime dtype) of a
+    ``[8, 16]`` checkpoint tensor: the ways engines hold one, as a rank observes them."""
+    rows, cols = torch.meshgrid(torch.arange(8), torch.arange(16), indexing="ij")
+    every = rows * 16 + cols
+    right = cols >= 8  # a column shard: this rank holds columns 8..15
+    slot = 2 * 8 * 8  # the second expert slot of a [3, 8, 8] stacked parameter
+    return [
+        ("fused rows", torch.Size([12, 16]), every.flatten(), every.flatten() + 4 * 16, torch.bfloat16),
+        ("fused rows, fp32", torch.Size([12, 16]), every.flatten(), every.flatten() + 4 * 16, torch.float32),
+        ("row shard", torch.Size([3, 16]), every[2:5].flatten(), every[:3].flatten(), torch.bfloat16),
+        ("column shard", torch.Size([8, 8]), every[right], (rows * 8 + cols - 8)[right], torch.bfloat16),
+        ("expert slot, column shard", torch.Size([3, 8, 8]), every[right], (slot + rows * 8 + cols - 8)[right],
+         torch.bfloat16),
+        ("transposed: a table", torch.Size([16, 8]), every.flatten(), (cols * 8 + rows).flatten(), torch.float32),
+    ]
+
+
+@pytest.mark.parametrize("layout", _layouts(), ids=lambda layout: layout[0])
+def test_a_whole_tensor_written_in_one_copy_lands_where_element_writes_do(layout: tuple) -> None:
+    """An anchor's whole tensors take one strided copy and one compare per target (``Target.region``); they
+    must land exactly where a write of every element by index does, and a wrong element must still show."""
+    from deltasync.appliers.apply import Patch
+    from deltasync.appliers.mapping import fit_targets
+
+    label, shape, c, r, dtype = layout
+    spec = TensorSpec("w", (8, 16), "BF16")
+    values = (torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    bits = values.view(torch.int16).flatten()
+    written = {}
+    for whole in (True, False):
+        param = torch.nn.Parameter(torch.full(shape, -7.0, dtype=dtype), requires_grad=False)
+        index = IndexMap([spec])
+        index.targets["w"] = fit_targets(param, "runtime.w", spec, c, r)
+        (target,) = index.targets["w"]
+        assert (target.region(param.data, bits) is None) == label.startswith("transposed")
+        patch = Patch("w", spec, None, bits) if whole else Patch("w", spec, torch.arange(spec.numel), bits)
+        assert write_patches(index, [patch])[0] == c.numel()
+        assert check_written(index, [patch], samples=spec.numel) == (c.numel(), [])
+        written[whole] = param.data.clone()
+        if whole:
+            expected = torch.full(shape, -7.0, dtype=dtype).view(-1)
+            expected[r] = values.view(-1)[c].to(dtype)
+            assert torch.equal(param.data.view(-1), expected)
+            param.data.view(-1)[r[5]] = 1.0  # one element of the write lost
+            assert check_written(index, [patch]) == (c.numel(), [
+                {"tensor": "w", "param": "runtime.w", "wrong": 1, "read": c.numel()}])
+    assert torch.equal(written[True], written[False])

@@ -15,7 +15,8 @@ Modules by layer (each imports only its own layer and those below):
 - apply: ``apply`` (check every entry, then write; ``check_header``), ``worker_decode`` (a version's
   files decoded by the rank that holds every element, against its own weights).
 - transport: ``wire`` (RPC encoding), ``vllm_rpc`` (in-process vs server
-  engine), ``vllm_prefetch`` (downloaded deltas seen early), ``vllm_follower``
+  engine), ``vllm_prefetch`` (downloaded deltas seen early), ``file_drop`` (files handed
+  to a server on the same machine by path), ``vllm_follower``
   (the follower loop and its command line), ``vllm`` (the worker extension),
   ``cpu_hooks`` (vLLM CPU-backend packing hooks).
 - the other engines, each on the apply layer: ``torch``; ``checkpoint``

@@ -39,7 +39,7 @@ import torch
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
 from ..tensors import TensorSpec
-from .mapping import IndexMap, Target
+from .mapping import PLAIN, IndexMap, Target
 
 __all__ = [
     "check_header",
@@ -160,6 +160,14 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
 def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: torch.Tensor) -> int:
     data = target.param.data
     if idx is None:
+        region = target.region(data, values.to(data.device)) if target.layout is PLAIN else None
+        if region is not None:  # a whole tensor into a plain parameter: one strided copy
+            held, new = region
+            if data.dtype == spec.torch_dtype:
+                held.view(new.dtype).copy_(new)
+            else:
+                held.copy_(new.view(spec.torch_dtype))  # an exact up-cast, as the layout writes
+            return held.numel()
         idx = torch.arange(spec.numel, dtype=torch.int64)
     pos, runtime = target.translate(idx.to(data.device))
     if pos is not None and not pos.numel():

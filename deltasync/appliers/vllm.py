@@ -11,7 +11,8 @@ or ``LLM(MODEL_DIR, worker_extension_cls="deltasync.appliers.vllm.DeltaSyncWorke
 with :class:`~deltasync.appliers.vllm_follower.VLLMFollower` in the same process.
 The follower downloads and decodes once per node; the workers only read and
 write the changed elements, through ``collective_rpc`` (which runs between
-engine steps, so it never races a forward pass).
+engine steps, so it never races a forward pass). A server on the follower's
+machine reads anchors from files the follower drops for it (:mod:`.file_drop`).
 
 This module is thin: each RPC method unpacks its arguments (:mod:`.wire`) and
 delegates to the mapping layer (:mod:`.vllm_mapping` builds the rank's index
@@ -59,6 +60,7 @@ from .cpu_hooks import (
     plain_weights_attached,
     repack_touched,
 )
+from .file_drop import read_dropped
 from .mapping import IndexMap
 from .verify import VERIFY_SAMPLES, check_written, compare_held, pack_held, prove_map
 from .vllm_mapping import probe_index_map, runtime_params
@@ -156,23 +158,41 @@ class DeltaSyncWorkerExtension:
         return self._deltasync_write(plan_patches(_require_index(self), unpack(payload)), version, verify, started)
 
     def deltasync_apply_files(
-        self, files: list[bytes | str], kind: str, version: int | str | None = None, verify: int = VERIFY_SAMPLES
+        self, files: list[bytes | str | dict[str, Any]], kind: str, version: int | str | None = None,
+        verify: int = VERIFY_SAMPLES,
     ) -> dict[str, Any]:
         """Decode the files of one version here, against this rank's own weights, then write as
-        :meth:`deltasync_apply` does (for an engine whose one rank holds every element).
+        :meth:`deltasync_apply` does (a delta: for an engine whose one rank holds every element; an
+        anchor: on every rank, each writing what it holds).
 
-        Nothing is written unless every file decodes exactly and every tensor's values match the
-        publisher's digest; a refusal comes back as ``refused`` (:func:`~.worker_decode.refusal_to_json`).
+        ``files``: the files themselves, or references to files the follower dropped on this machine
+        (:func:`~.file_drop.read_dropped`). Nothing is written unless every file decodes exactly and every
+        tensor's values match the publisher's digest; a refusal comes back as ``refused``
+        (:func:`~.worker_decode.refusal_to_json`). A dropped file this rank cannot read, or that is not
+        the follower's, comes back as ``unreadable``: the version is not at fault.
         """
         started = time.perf_counter()
         index = _require_index(self)
+        try:
+            dropped = [read_dropped(f) if isinstance(f, dict) else f for f in files]
+        except (OSError, DeltaSyncError) as exc:
+            return {"rank": _rank(self), "unreadable": f"{type(exc).__name__}: {exc}"}
         try:  # every check before the first write
-            blobs = [base64.b64decode(f) if isinstance(f, str) else f for f in files]
+            blobs = [base64.b64decode(f) if isinstance(f, str) else f for f in dropped]
             patches = decode_here(index, blobs, whole=kind == "anchor")
         except DeltaSyncError as exc:
             return {"rank": _rank(self), "refused": refusal_to_json(exc)}
         decoded_ms = 1e3 * (time.perf_counter() - started)
         return self._deltasync_write(patches, version, verify, started) | {"decode_ms": decoded_ms}
+
+    def deltasync_read_dropped(self, ref: dict[str, Any]) -> dict[str, Any]:
+        """Whether this rank reads a file the follower dropped (:func:`~.file_drop.read_dropped`): ``ok``,
+        else ``why``."""
+        try:
+            read_dropped(ref).release()
+        except (OSError, DeltaSyncError) as exc:
+            return {"rank": _rank(self), "ok": False, "why": f"{type(exc).__name__}: {exc}"}
+        return {"rank": _rank(self), "ok": True}
 
     def _deltasync_write(
         self, patches: list[Patch], version: int | str | None, verify: int, started: float

@@ -1,27 +1,24 @@
 """Transport, node side: the vLLM follower loop, an applier the :class:`~deltasync.Subscriber` drives.
 
-:class:`VLLMFollower` lives next to the engine: in the process that owns an
-``LLM``, or beside a ``vllm serve`` server started with the worker extension
-and ``VLLM_SERVER_DEV_MODE=1`` (it then talks to ``/collective_rpc``,
-``/pause``, ``/resume`` and ``/update_weight_version``). Deltas are downloaded
-and validated once per node, here; the workers only read and write the changed
-elements (:mod:`deltasync.appliers.vllm`).
+:class:`VLLMFollower` lives next to the engine: in the process that owns an ``LLM``, or beside a ``vllm
+serve`` server started with the worker extension and ``VLLM_SERVER_DEV_MODE=1`` (it then talks to
+``/collective_rpc``, ``/pause``, ``/resume`` and ``/update_weight_version``). Deltas are downloaded and
+validated once per node, here; the workers only read and write the changed elements
+(:mod:`deltasync.appliers.vllm`).
 
-An engine of one rank takes a delta's files whole, validated here
-(``deltasync_apply_files``): the worker decodes them against its own weights,
-checks every value against the publisher's digests before it writes
-(:mod:`.worker_decode`), and answers with a typed refusal if any check fails.
-One round trip carries a byte or two per changed element. Otherwise (several
-ranks, a LoRA run, anchors), per version, two ``collective_rpc`` round trips
-carry O(changed elements):
+How a version travels to the workers:
 
-1. ``deltasync_lookup``: every rank returns the current bits of the changed
-   elements it holds; the follower merges them (every element must be held by
-   some rank) into the base values the ``compact`` codec decodes against.
-   Subscribers built by :meth:`VLLMFollower.subscriber` see each delta's bytes
-   as they are downloaded, so all of a version's lookups go in one call;
-   otherwise each tensor costs one call.
-2. ``deltasync_apply``: after decode and validation, each rank writes what it holds.
+- A delta, to an engine of one rank: its files whole, validated here (``deltasync_apply_files``); the
+  worker decodes them against its own weights, checks every value against the publisher's digests before
+  it writes (:mod:`.worker_decode`), and answers with a typed refusal if any check fails. A byte or two
+  per changed element, one round trip.
+- An anchor, to a server whose workers read this machine's files: the files, dropped in a private
+  directory in ``/dev/shm`` and sent by path (:mod:`.file_drop`), decoded by every rank as above.
+- Otherwise (several ranks, a LoRA run, an engine elsewhere), two ``collective_rpc`` round trips of
+  O(changed elements): ``deltasync_lookup`` (every rank returns the current bits of the changed elements
+  it holds, merged here into the bases the ``compact`` codec decodes against; a subscriber built by
+  :meth:`VLLMFollower.subscriber` sees each delta as it is downloaded, so a version's lookups go in one
+  call), then ``deltasync_apply`` (each rank writes what it holds).
 
 Modes (how generation meets an update):
 
@@ -36,26 +33,26 @@ In process, ``collective_rpc`` already runs between engine steps; call
 ``subscriber.poll()`` from the thread that owns the ``LLM`` (vLLM's sync client
 is not thread-safe), e.g. between ``generate`` calls of an RL loop.
 
-Versions: after each apply the engine's weight-version label is set to
-:func:`version_label` (``"7@3f1d2c4b5a6e"``: version @ run id prefix; vLLM
-reports, per finished request, which output tokens each label produced:
-``CompletionOutput.weight_versions``); ranks answer ``deltasync_version``; and
-:attr:`VLLMFollower.history` records ``(version, wall time applied)`` so a
-request's start/end time maps to versions (:meth:`VLLMFollower.version_at`).
+Versions: after each apply the engine's weight-version label is set to :func:`version_label`
+(``"7@3f1d2c4b5a6e"``: version @ run id prefix; vLLM reports, per finished request, which output tokens
+each label produced: ``CompletionOutput.weight_versions``); ranks answer ``deltasync_version``; and
+:attr:`VLLMFollower.history` records ``(version, wall time applied)`` so a request's start/end time maps
+to versions (:meth:`VLLMFollower.version_at`).
 
 Command line (a server replica)::
 
     python -m deltasync.appliers.vllm_follower --store s3://bucket/run1 \\
         --server http://127.0.0.1:8000 --model /models/policy
 
-How the engine is reached is :mod:`.vllm_rpc`; what travels is :mod:`.wire`;
-the early look at downloaded deltas is :mod:`.vllm_prefetch`; the check that
-every checkpoint element maps to some rank is :func:`.mapping.uncovered_elements`.
+How the engine is reached is :mod:`.vllm_rpc`; what travels is :mod:`.wire`; the early look at downloaded
+deltas is :mod:`.vllm_prefetch`; the check that every checkpoint element maps to some rank is
+:func:`.mapping.uncovered_elements`.
 
 Limitations:
 
 - One engine per follower; every rank must answer each call (``collective_rpc``).
 - The in-process ``LLM`` is not driven from a background thread (see above).
+- An anchor by path needs ``/dev/shm`` (or the temp directory) to hold it once more while it is applied.
 """
 
 from __future__ import annotations
@@ -83,6 +80,7 @@ from ..stores import Store, open_store
 from ..tensors import fingerprint
 from .apply import check_header, merge_bits
 from .checkpoint_files import checkpoint_specs
+from .file_drop import FileDrop
 from .mapping import uncovered_elements
 from .verify import VERIFY_SAMPLES, check_proofs, merge_compared
 from .vllm_lora import LORA_NAME, AdapterHost
@@ -139,6 +137,8 @@ class VLLMFollower:
         decode_in_worker (`bool`, *optional*, defaults to True): an engine of one rank decodes each delta's
             files against its own weights (:meth:`takes_files`); ``False`` decodes them here, as for
             several ranks.
+        anchor_files (`bool`, *optional*, defaults to True): a server whose workers read this machine's files
+            gets each anchor as a file dropped in ``/dev/shm`` (:mod:`.file_drop`); ``False``: as text.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
@@ -170,6 +170,7 @@ class VLLMFollower:
         lora: Any = None,
         lora_name: str = LORA_NAME,
         decode_in_worker: bool = True,
+        anchor_files: bool = True,
     ) -> None:
         if mode not in ("inflight", "pause"):
             raise ConfigError(f"mode must be 'inflight' or 'pause', not {mode!r}", argument="mode")
@@ -204,6 +205,7 @@ class VLLMFollower:
         self._prefetched = False
         self._lookups = threading.Lock()  # decoding threads share one prefetch and one RPC at a time
         self._tapped = TapBuffer()
+        self._drop = FileDrop(self._rpc, enabled=anchor_files)  # anchors to a server on this machine: files
         self.ranks = self._init_workers()
 
     # ------------------------------------------------------------------ setup
@@ -236,7 +238,9 @@ class VLLMFollower:
         return answers
 
     def close(self) -> None:
-        """Delete what the follower wrote on disk (a LoRA run's adapter directories); the engine keeps running."""
+        """Delete what the follower wrote (a LoRA run's adapter directories, dropped files); the engine keeps
+        running."""
+        self._drop.close()
         if self.adapter is not None:
             self.adapter.close()
 
@@ -290,7 +294,10 @@ class VLLMFollower:
     def takes_files(self, kind: str) -> bool:
         """Deltas go whole to an engine of one rank (no LoRA adapter) whose worker extension decodes files (an
         older one does not say so): it decodes them against its own weights (:mod:`.worker_decode`), one RPC
-        of the files instead of one for the bases and one for the patches."""
+        of the files instead of one for the bases and one for the patches. Anchors go whole, by path, to a
+        server whose workers read this machine's files (:mod:`.file_drop`), instead of as text."""
+        if kind == "anchor":
+            return self._engine.text and self.adapter is None and self._drop.readable()
         one = len(self.ranks) == 1 and bool(self.ranks[0].get("decodes_files"))
         return self.decode_in_worker and kind == "delta" and one and self.adapter is None
 
@@ -300,6 +307,9 @@ class VLLMFollower:
         Returns the typed error that rank refused them with before writing anything, else ``None``."""
         version = self._pending
         self._step, self._bases, self._prefetched = [], {}, False
+        if kind == "anchor":
+            with self._drop.files(blobs) as refs:
+                return self._on_ranks([("deltasync_apply_files", (refs, kind, version, self.verify))], version, {})
         text = self._engine.text
         files = [base64.b64encode(b).decode("ascii") if text else bytes(b) for b in blobs]
         return self._on_ranks([("deltasync_apply_files", (files, kind, version, self.verify))], version, {})
@@ -320,6 +330,9 @@ class VLLMFollower:
                 refused = [a["refused"] for a in answers if a.get("refused")]
                 if refused:  # refused before any write: the engine holds what it held
                     return refusal_from_json(refused[0])
+                unreadable = [a["unreadable"] for a in answers if a.get("unreadable")]
+                if unreadable:  # not the version's fault; other ranks may have written theirs
+                    raise DeltaSyncError(f"version {version}: a rank could not read its files: {unreadable[0]}")
                 wrong = [w for a in answers for w in a.get("wrong", [])]
                 if wrong:
                     lines = [f"{w['tensor']} in {w['param']}: {w['wrong']} of {w['read']} read back wrong"
@@ -438,23 +451,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-mode", choices=["wait", "abort"], default="wait")
     parser.add_argument("--replica-id", default=None)
     parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls after a change")
-    parser.add_argument(
-        "--max-poll-interval", type=float, default=15.0, help="idle backoff cap: the longest a new version waits unseen"
-    )
-    parser.add_argument(
-        "--cache-dir", default=None,
-        help="share downloaded objects with the node's other replicas through this directory (docs/FLEET.md)",
-    )
+    parser.add_argument("--max-poll-interval", type=float, default=15.0,
+                        help="idle backoff cap: the longest a new version waits unseen")
+    parser.add_argument("--cache-dir", default=None, help="share downloaded objects with the node's other "
+                        "replicas through this directory (docs/FLEET.md)")
     parser.add_argument("--once", action="store_true", help="apply the latest version and exit")
-    parser.add_argument(
-        "--lora", default=None,
-        help="a LoRA run published with lora='auto'/'adapter': the adapter's directory or adapter_config.json",
-    )
+    parser.add_argument("--lora", default=None, help="a LoRA run published with lora='auto'/'adapter': the "
+                        "adapter's directory or adapter_config.json")
     parser.add_argument("--lora-name", default=LORA_NAME, help="the name clients ask for (model=...)")
-    parser.add_argument(
-        "--wait-for-server", type=float, default=600.0, metavar="SECONDS",
-        help="how long to wait for the server to come up (default 600; 0: fail at once)",
-    )
+    parser.add_argument("--wait-for-server", type=float, default=600.0, metavar="SECONDS",
+                        help="how long to wait for the server to come up (default 600; 0: fail at once)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

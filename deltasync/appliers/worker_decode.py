@@ -75,8 +75,9 @@ def decode_here(
     if on_device is None:
         on_device = accelerator_of(index) is not None
     reader = MapReader(index) if on_device else None
-    try:  # writable copies: the streams are viewed in place
-        parts = [decode(bytearray(f), base=lookup, on_device=reader) for f in files]
+    try:  # writable buffers (a private mapping as it is, else a copy): the streams are viewed in place
+        parts = [decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=lookup,
+                        on_device=reader) for f in files]
     except IntegrityError:
         if reader is not None:
             reader.check_held()  # a base read where the rank holds nothing says so, not "wrong base"

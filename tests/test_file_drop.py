@@ -1,0 +1,143 @@
+"""Files handed to an engine's workers on the same machine (``deltasync.appliers.file_drop``).
+
+The follower side and the worker side run here in one process, as they do in two
+on one machine; ``tests/test_vllm.py`` and ``tests/test_trl.py`` run them in a real
+engine and a real server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltasync import digests
+from deltasync.appliers.file_drop import DROP_PREFIX, FileDrop, drop_parent, read_dropped, sweep
+from deltasync.errors import IntegrityError
+
+
+def _worker(answers: list[dict[str, Any]]) -> Any:
+    """A worker on this machine: reads what it is handed, as ``deltasync_read_dropped`` does."""
+
+    def rpc(method: str, ref: dict[str, Any]) -> list[dict[str, Any]]:
+        assert method == "deltasync_read_dropped"
+        try:
+            read_dropped(ref).release()
+        except (OSError, IntegrityError) as exc:
+            answers.append({"ok": False, "why": str(exc)})
+        else:
+            answers.append({"ok": True})
+        return answers[-1:]
+
+    return rpc
+
+
+def test_files_are_read_back_exactly_and_removed_after_the_call(tmp_path: Path) -> None:
+    answers: list[dict[str, Any]] = []
+    drop = FileDrop(_worker(answers), parent=tmp_path)
+    assert drop.readable() and answers == [{"ok": True}]
+    assert drop.readable() and len(answers) == 1  # asked once
+    blobs = [os.urandom(100_000), memoryview(bytearray(b"\x01" * 4096)), b""]
+    with drop.files(blobs) as refs:
+        assert [r["size"] for r in refs] == [100_000, 4096, 0]
+        for ref, blob in zip(refs, blobs):
+            assert ref["blake3"] == digests.hexdigest([blob], "blake3")
+            got = read_dropped(ref)
+            assert bytes(got) == bytes(blob)
+            if ref["size"]:
+                got[0] ^= 0xFF  # a private mapping: a decoder may write into it, the file stays as it was
+                assert bytes(read_dropped(ref)) == bytes(blob)
+        (folder,) = tmp_path.iterdir()
+        assert folder.name.startswith(f"{DROP_PREFIX}{os.getpid()}-") and (folder.stat().st_mode & 0o777) == 0o700
+    assert not any(folder.iterdir())  # removed as the call returned
+    drop.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_failed_call_gives_the_drop_up_and_leaves_nothing(tmp_path: Path) -> None:
+    drop = FileDrop(_worker([]), parent=tmp_path)
+    assert drop.readable()
+    with pytest.raises(RuntimeError, match="the engine went away"), drop.files([b"x" * 10]):
+        raise RuntimeError("the engine went away")
+    assert not drop.readable()  # later files travel as text
+    assert not any(p for d in tmp_path.iterdir() for p in d.iterdir())
+    drop.close()
+
+
+def test_workers_that_cannot_read_the_drop_or_do_not_know_it_get_text(tmp_path: Path) -> None:
+    elsewhere = FileDrop(lambda method, ref: [{"ok": True}, {"ok": False, "why": "FileNotFoundError: no such file"}],
+                         parent=tmp_path)
+    assert not elsewhere.readable()
+
+    def older(method: str, ref: dict[str, Any]) -> list[Any]:
+        raise RuntimeError(f"the worker extension has no method {method}")
+
+    assert not FileDrop(older, parent=tmp_path).readable()
+    # Each probe file was removed after its answer.
+    assert not any(p for d in tmp_path.iterdir() for p in d.iterdir())
+
+
+@pytest.mark.parametrize("change", ["size", "bytes", "malformed", "relative", "missing", "link", "directory"])
+def test_a_file_that_is_not_the_followers_is_refused(tmp_path: Path, change: str) -> None:
+    drop = FileDrop(_worker([]), parent=tmp_path)
+    with drop.files([b"weights" * 1000]) as (ref,):
+        path = Path(ref["path"])
+        expected: type[Exception] = IntegrityError
+        if change == "size":
+            path.write_bytes(path.read_bytes() + b"\0")
+        elif change == "bytes":  # the same size, other bytes: another machine's file of the same name
+            path.write_bytes(b"W" + path.read_bytes()[1:])
+        elif change == "malformed":
+            ref = {**ref, "blake3": "not a digest"}
+        elif change == "relative":
+            ref = {**ref, "path": path.name}
+        elif change == "missing":
+            path.unlink()
+            expected = FileNotFoundError
+        elif change == "link":
+            target = path.with_suffix(".real")
+            path.rename(target)
+            path.symlink_to(target)
+            expected = OSError
+        else:
+            path.unlink()
+            path.mkdir()
+        with pytest.raises(expected):
+            read_dropped(ref)
+        if change == "directory":
+            path.rmdir()
+    drop.close()
+
+
+def test_a_killed_followers_directory_is_removed_by_the_next(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    left = tmp_path / f"{DROP_PREFIX}{dead}-abc123"
+    left.mkdir()
+    (left / "00000001.safetensors").write_bytes(b"x" * 1000)
+    alive = tmp_path / f"{DROP_PREFIX}{os.getpid()}-def456"
+    alive.mkdir()
+    other = tmp_path / "deltasync-drop-notapid"
+    other.mkdir()
+    drop = FileDrop(_worker([]), parent=tmp_path)
+    assert drop.readable()  # its first file sweeps the parent
+    assert not left.exists() and alive.exists() and other.exists()
+    assert sweep(tmp_path) == 0
+    drop.close()
+
+
+def test_the_drop_is_in_memory_where_the_machine_has_it() -> None:
+    parent = drop_parent()
+    assert parent.is_dir() and os.access(parent, os.W_OK)
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        assert parent == Path("/dev/shm")
+
+
+def test_a_drop_switched_off_is_never_asked(tmp_path: Path) -> None:
+    asked: list[Any] = []
+    drop = FileDrop(lambda *call: asked.append(call) or [{"ok": True}], parent=tmp_path, enabled=False)
+    assert not drop.readable() and asked == [] and not any(tmp_path.iterdir())
