@@ -141,3 +141,13 @@ def test_a_drop_switched_off_is_never_asked(tmp_path: Path) -> None:
     asked: list[Any] = []
     drop = FileDrop(lambda *call: asked.append(call) or [{"ok": True}], parent=tmp_path, enabled=False)
     assert not drop.readable() and asked == [] and not any(tmp_path.iterdir())
+
+
+def test_a_drop_never_closed_is_removed_when_collected(tmp_path: Path) -> None:
+    import gc
+
+    drop = FileDrop(_worker([]), parent=tmp_path)
+    assert drop.readable() and len(list(tmp_path.iterdir())) == 1
+    del drop
+    gc.collect()
+    assert not any(tmp_path.iterdir())

@@ -5,11 +5,12 @@ travels as base64 text: a third larger, and encoded, parsed and decoded on the
 way. For a delta of a few MB that costs milliseconds. For an anchor it was
 nearly all of a replica's update: a 269 MB SmolLM2 anchor reached a vLLM CPU
 server in about 13 s, where the same anchor loads into weights held in process
-in a fifth of a second (``benchmarks/vllm_apply.py``). Where the engine runs
-on the follower's machine, the follower instead writes each file once into a
-private directory (in ``/dev/shm`` where there is one: memory, never a disk)
-and sends its path, size and BLAKE3. Every worker maps the file, checks both
-(:func:`read_dropped`), and decodes it where it lies.
+in a fifth of a second (``benchmarks/vllm_anchor.py``). An in-process ``LLM``
+runs its engine in processes of its own too, and its calls pickle what they
+carry. Where the engine runs on the follower's machine, the follower instead
+writes each file once into a private directory (in ``/dev/shm`` where there is
+one: memory, never a disk) and sends its path, size and BLAKE3. Every worker
+maps the file, checks both (:func:`read_dropped`), and decodes it where it lies.
 
 Whether the workers see the follower's files is asked once, with a small probe
 file (:meth:`FileDrop.readable`): a worker on another machine or in another
@@ -31,6 +32,7 @@ import os
 import shutil
 import stat
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,7 @@ class FileDrop:
         self._dir: Path | None = None
         self._usable: bool | None = None if enabled else False
         self._count = 0
+        self._removal: Callable[[], Any] = lambda: None
 
     def readable(self) -> bool:
         """Whether every worker reads files written here (asked once, with a probe file; ``False`` for good
@@ -98,9 +101,9 @@ class FileDrop:
                     os.unlink(ref["path"])
 
     def close(self) -> None:
-        """Remove the directory and anything in it."""
+        """Remove the directory and anything in it (also done when the drop is garbage-collected, or at exit)."""
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._removal()
             self._dir = None
 
     def _probe(self) -> bool:
@@ -128,6 +131,7 @@ class FileDrop:
             parent = self._parent or drop_parent()
             sweep(parent)
             self._dir = Path(tempfile.mkdtemp(prefix=f"{DROP_PREFIX}{os.getpid()}-", dir=parent))
+            self._removal = weakref.finalize(self, shutil.rmtree, str(self._dir), True)
         self._count += 1
         path = self._dir / f"{self._count:08d}.safetensors"
         view = memoryview(blob).cast("B")

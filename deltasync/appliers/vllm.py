@@ -11,7 +11,7 @@ or ``LLM(MODEL_DIR, worker_extension_cls="deltasync.appliers.vllm.DeltaSyncWorke
 with :class:`~deltasync.appliers.vllm_follower.VLLMFollower` in the same process.
 The follower downloads and decodes once per node; the workers only read and
 write the changed elements, through ``collective_rpc`` (which runs between
-engine steps, so it never races a forward pass). A server on the follower's
+engine steps, so it never races a forward pass). An engine on the follower's
 machine reads anchors from files the follower drops for it (:mod:`.file_drop`).
 
 This module is thin: each RPC method unpacks its arguments (:mod:`.wire`) and

@@ -12,8 +12,9 @@ How a version travels to the workers:
   worker decodes them against its own weights, checks every value against the publisher's digests before
   it writes (:mod:`.worker_decode`), and answers with a typed refusal if any check fails. A byte or two
   per changed element, one round trip.
-- An anchor, to a server whose workers read this machine's files: the files, dropped in a private
-  directory in ``/dev/shm`` and sent by path (:mod:`.file_drop`), decoded by every rank as above.
+- An anchor, to an engine whose workers read this machine's files (a server, or an ``LLM``'s engine
+  processes): the files, dropped in a private directory in ``/dev/shm`` and sent by path
+  (:mod:`.file_drop`), decoded by every rank as above.
 - Otherwise (several ranks, a LoRA run, an engine elsewhere), two ``collective_rpc`` round trips of
   O(changed elements): ``deltasync_lookup`` (every rank returns the current bits of the changed elements
   it holds, merged here into the bases the ``compact`` codec decodes against; a subscriber built by
@@ -137,8 +138,8 @@ class VLLMFollower:
         decode_in_worker (`bool`, *optional*, defaults to True): an engine of one rank decodes each delta's
             files against its own weights (:meth:`takes_files`); ``False`` decodes them here, as for
             several ranks.
-        anchor_files (`bool`, *optional*, defaults to True): a server whose workers read this machine's files
-            gets each anchor as a file dropped in ``/dev/shm`` (:mod:`.file_drop`); ``False``: as text.
+        anchor_files (`bool`, *optional*, defaults to True): an engine whose workers read this machine's files
+            gets each anchor as files dropped in ``/dev/shm`` (:mod:`.file_drop`); ``False``: as patches.
 
     Raises:
         `TensorMismatch`: some checkpoint elements are held by no rank (the loaders skip
@@ -294,10 +295,10 @@ class VLLMFollower:
     def takes_files(self, kind: str) -> bool:
         """Deltas go whole to an engine of one rank (no LoRA adapter) whose worker extension decodes files (an
         older one does not say so): it decodes them against its own weights (:mod:`.worker_decode`), one RPC
-        of the files instead of one for the bases and one for the patches. Anchors go whole, by path, to a
-        server whose workers read this machine's files (:mod:`.file_drop`), instead of as text."""
+        of the files instead of one for the bases and one for the patches. Anchors go whole, by path, to an
+        engine whose workers read this machine's files (:mod:`.file_drop`), instead of as decoded patches."""
         if kind == "anchor":
-            return self._engine.text and self.adapter is None and self._drop.readable()
+            return self.adapter is None and self._drop.readable()
         one = len(self.ranks) == 1 and bool(self.ranks[0].get("decodes_files"))
         return self.decode_in_worker and kind == "delta" and one and self.adapter is None
 
