@@ -160,7 +160,7 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
 def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: torch.Tensor) -> int:
     data = target.param.data
     if idx is None:
-        region = target.region(data, values.to(data.device)) if target.layout is PLAIN else None
+        region = plain_region(target, values)
         if region is not None:  # a whole tensor into a plain parameter: one strided copy
             held, new = region
             if data.dtype == spec.torch_dtype:
@@ -177,6 +177,16 @@ def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: t
         vals = vals[pos]
     target.layout.write(data, runtime, vals, spec.torch_dtype)
     return int(runtime.numel())
+
+
+def plain_region(target: Target, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A whole tensor's ``values`` and the elements of them a plain parameter holds, as two views of one shape
+    (:meth:`Target.region`), or ``None`` where they go by index (tables, packed and other layouts). One answer
+    for the write and its read-back, so both take the same path."""
+    if target.layout is not PLAIN:
+        return None
+    data = target.param.data
+    return target.region(data, values.to(data.device))
 
 
 def read_bits(index: IndexMap, payload: Payload) -> dict[str, dict[str, np.ndarray]]:

@@ -40,8 +40,8 @@ import torch
 
 from ..errors import LayoutMismatch, TensorMismatch
 from ..tensors import TensorSpec, bits_view, host_ints
-from .apply import Patch, read_masked, read_through
-from .mapping import PLAIN, IndexMap, Target
+from .apply import Patch, plain_region, read_masked, read_through
+from .mapping import IndexMap, Target
 from .wire import pack, unpack
 
 __all__ = [
@@ -223,9 +223,7 @@ def check_written(
             pick = pick.to(patch.indices.device)
             idx, values = patch.indices[pick], patch.values[pick]
         for target in index.targets[patch.name]:
-            region = None
-            if patch.indices is None and target.layout is PLAIN:
-                region = target.region(target.param.data, values.to(target.param.data.device))
+            region = plain_region(target, values) if patch.indices is None else None
             if region is not None:  # a whole tensor in a plain parameter: one strided compare
                 held, written = region
                 got = (held if held.dtype == patch.spec.torch_dtype else held.to(patch.spec.torch_dtype))
