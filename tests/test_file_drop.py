@@ -14,10 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
+import torch
 
 from deltasync import digests
 from deltasync.appliers.file_drop import DROP_PREFIX, FileDrop, drop_parent, read_dropped, sweep
 from deltasync.errors import IntegrityError
+from deltasync.format.encode import encode_anchor
+
+
+def _anchor() -> bytes:
+    """An anchor file as a publisher writes it: its header lists a BLAKE3 of every tensor."""
+    g = torch.Generator().manual_seed(0)
+    return encode_anchor({"a.weight": torch.randn(64, 32, generator=g).bfloat16(),
+                          "b.bias": torch.randn(17, generator=g).bfloat16()}, version=3)
 
 
 def _worker(answers: list[dict[str, Any]]) -> Any:
@@ -81,18 +91,49 @@ def test_workers_that_cannot_read_the_drop_or_do_not_know_it_get_text(tmp_path: 
     assert not any(p for d in tmp_path.iterdir() for p in d.iterdir())
 
 
-@pytest.mark.parametrize("change", ["size", "bytes", "malformed", "relative", "missing", "link", "directory"])
-def test_a_file_that_is_not_the_followers_is_refused(tmp_path: Path, change: str) -> None:
+def test_an_anchor_is_referenced_by_its_header_and_checked_by_its_entries(tmp_path: Path) -> None:
+    anchor, plain = _anchor(), safetensors.torch.save({"w": torch.ones(8, dtype=torch.bfloat16)})
     drop = FileDrop(_worker([]), parent=tmp_path)
-    with drop.files([b"weights" * 1000]) as (ref,):
+    with drop.files([anchor, plain]) as (by_header, whole):
+        size = 8 + int.from_bytes(anchor[:8], "little")
+        assert by_header == {"path": by_header["path"], "size": len(anchor),
+                             "header": [size, digests.hexdigest([anchor[:size]], "blake3")]}
+        assert bytes(read_dropped(by_header)) == anchor
+        # A safetensors file without per-tensor digests is referenced, and checked, whole.
+        assert whole["blake3"] == digests.hexdigest([plain], "blake3") and "header" not in whole
+        assert bytes(read_dropped(whole)) == plain
+    drop.close()
+
+
+def test_an_older_worker_that_checks_files_whole_answers_no_to_the_probe(tmp_path: Path) -> None:
+    def older(method: str, ref: dict[str, Any]) -> list[Any]:  # an earlier release's check
+        ok = isinstance(ref.get("blake3"), str)
+        return [{"ok": ok} if ok else {"ok": False, "why": f"IntegrityError: malformed file reference {ref}"}]
+
+    assert not FileDrop(older, parent=tmp_path).readable()
+
+
+@pytest.mark.parametrize("kind", ["whole", "anchor"])
+@pytest.mark.parametrize("change", ["size", "bytes", "header", "malformed", "relative", "missing", "link",
+                                    "directory"])
+def test_a_file_that_is_not_the_followers_is_refused(tmp_path: Path, change: str, kind: str) -> None:
+    drop = FileDrop(_worker([]), parent=tmp_path)
+    with drop.files([_anchor() if kind == "anchor" else b"weights" * 1000]) as (ref,):
+        assert ("header" in ref) == (kind == "anchor")
         path = Path(ref["path"])
         expected: type[Exception] = IntegrityError
         if change == "size":
             path.write_bytes(path.read_bytes() + b"\0")
         elif change == "bytes":  # the same size, other bytes: another machine's file of the same name
-            path.write_bytes(b"W" + path.read_bytes()[1:])
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1  # an anchor's last tensor: covered by its entry's digest, not the header's
+            path.write_bytes(bytes(data))
+        elif change == "header":  # a byte of the header (a digest or a name), the tensors as they were
+            data = bytearray(path.read_bytes())
+            data[20] ^= 1
+            path.write_bytes(bytes(data))
         elif change == "malformed":
-            ref = {**ref, "blake3": "not a digest"}
+            ref = {**ref, "blake3": "not a digest"} if kind == "whole" else {**ref, "header": [8, "not a digest"]}
         elif change == "relative":
             ref = {**ref, "path": path.name}
         elif change == "missing":

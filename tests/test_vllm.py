@@ -258,6 +258,7 @@ class TestPlainWeights:
             version = follower.engine_version()
             for target in (flipped, weights):
                 with drop.files([encode_anchor(target, version=5)]) as refs:
+                    assert "header" in refs[0]  # referenced by its header, checked by its tensors' digests
                     (answer,) = follower._rpc("deltasync_apply_files", refs, "anchor", None)
                 assert not answer.get("refused") and not answer.get("unreadable") and answer["wrong"] == []
                 assert answer["verified"] == sum(t.numel() for t in target.values())

@@ -19,7 +19,7 @@ from .. import digests
 from ..errors import DeltaFormatError
 from .header import entry_groups, header_of, raw_header, tiled_spans
 
-__all__ = ["intact_by_entries"]
+__all__ = ["covered_by_entries", "intact_by_entries"]
 
 
 def intact_by_entries(data: bytes | bytearray | memoryview, header: tuple[int, str]) -> bool:
@@ -33,26 +33,48 @@ def intact_by_entries(data: bytes | bytearray | memoryview, header: tuple[int, s
     size, digest = header
     if len(view) < size or not digests.matches([view[:size]], "blake3", digest):
         return False
-    try:
-        layout = raw_header(view[:size])
-        if size != 8 + int.from_bytes(view[:8], "little"):
+    cover = _cover(view)
+    if cover is None or cover[0] != size:
+        return False
+    _, expected, spans = cover
+    body = np.frombuffer(view, dtype=np.uint8)[size:]
+    for name, keys in spans.items():
+        h = digests.hasher("blake3")
+        for start, stop in keys:
+            h.update(body[start:stop])
+        if h.hexdigest() != expected[name]:
             return False
+    return True
+
+
+def covered_by_entries(data: bytes | bytearray | memoryview) -> tuple[int, str] | None:
+    """``(size, BLAKE3 hex)`` of ``data``'s header where that header's per-tensor BLAKE3 digests cover every
+    byte after it (what :func:`intact_by_entries` then checks against), else ``None`` (the file is checked
+    whole). Only the header is hashed: the entries' digests are the writer's, checked by the reader."""
+    view = memoryview(data).cast("B")
+    cover = _cover(view)
+    if cover is None:
+        return None
+    return cover[0], digests.hexdigest([view[: cover[0]]], "blake3")
+
+
+def _cover(view: memoryview) -> tuple[int, dict[str, str], dict[str, list[tuple[int, int]]]] | None:
+    """The header's size, each tensor's BLAKE3, and its entries' byte ranges in the data area, where the
+    entries tile the data area and each belongs to a tensor with a BLAKE3 digest; else ``None``."""
+    try:
+        layout = raw_header(view)
+        size = 8 + int.from_bytes(view[:8], "little")
         parsed = header_of(layout)
         spans = tiled_spans(layout, len(view) - size)
     except DeltaFormatError:
-        return False
+        return None
     groups = entry_groups(parsed, layout)
     if groups.keys() != parsed.tensors.keys():
-        return False  # an entry no tensor owns, or a tensor without entries: bytes no digest covers
-    body = np.frombuffer(view, dtype=np.uint8)[size:]
-    for name, keys in groups.items():
-        expected = parsed.tensors[name].digest
-        if expected is None or expected[0] != "blake3":
-            return False
-        h = digests.hasher("blake3")
-        for key in keys:
-            start, stop = spans[key]
-            h.update(body[start:stop])
-        if h.hexdigest() != expected[1]:
-            return False
-    return True
+        return None  # an entry no tensor owns, or a tensor without entries: bytes no digest covers
+    expected: dict[str, str] = {}
+    for name in groups:
+        digest = parsed.tensors[name].digest
+        if digest is None or digest[0] != "blake3":
+            return None
+        expected[name] = digest[1]
+    return size, expected, {name: [spans[key] for key in keys] for name, keys in groups.items()}
