@@ -8,7 +8,7 @@ import torch
 
 from deltasync.appliers.apply import write_patches
 from deltasync.appliers.mapping import IndexMap, Target
-from deltasync.appliers.verify import check_written
+from deltasync.appliers.verify import check_written, same_bits
 from deltasync.appliers.worker_decode import decode_here, refusal_from_json, refusal_to_json, warm_decoder
 from deltasync.diff import Snapshot, diff
 from deltasync.errors import DeltaSyncError, IntegrityError, TensorMismatch
@@ -245,3 +245,18 @@ def test_a_whole_tensor_written_in_one_copy_lands_where_element_writes_do(layout
             assert check_written(index, [patch]) == (c.numel(), [
                 {"tensor": "w", "param": "runtime.w", "wrong": 1, "read": c.numel()}])
     assert torch.equal(written[True], written[False])
+
+
+@pytest.mark.parametrize("cut", ["whole", "odd length", "offset by one element", "strided"])
+def test_bits_compared_eight_bytes_at_a_time_or_not_tell_every_element(cut: str) -> None:
+    """``same_bits`` compares as 8-byte words where it can and as the elements where it cannot (a length or an
+    offset off the word, a strided view); either way one flipped bit in any element shows."""
+    base = torch.randint(-(1 << 15), 1 << 15, (4, 1031), dtype=torch.int16, generator=torch.Generator().manual_seed(0))
+    view = {"whole": lambda t: t[:, :1028], "odd length": lambda t: t.view(-1)[: 4 * 1031 - 1],
+            "offset by one element": lambda t: t.view(-1)[1:4097], "strided": lambda t: t[:, ::2]}[cut]
+    a = view(base)
+    assert same_bits(a, view(base.clone()))
+    for at in (0, a.numel() // 2, a.numel() - 1):
+        other = base.clone()
+        view(other)[tuple(int(i) for i in torch.unravel_index(torch.tensor(at), a.shape))] ^= 1
+        assert not same_bits(a, view(other)), at
