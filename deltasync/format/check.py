@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import digests
 from ..errors import DeltaFormatError
-from .header import entry_groups, header_of, raw_header, tiled_spans
+from .header import entry_groups, header_of, header_ref, raw_header, tiled_spans
 
 __all__ = ["covered_by_entries", "intact_by_entries"]
 
@@ -52,10 +52,9 @@ def covered_by_entries(data: bytes | bytearray | memoryview) -> tuple[int, str] 
     byte after it (what :func:`intact_by_entries` then checks against), else ``None`` (the file is checked
     whole). Only the header is hashed: the entries' digests are the writer's, checked by the reader."""
     view = memoryview(data).cast("B")
-    cover = _cover(view)
-    if cover is None:
+    if _cover(view) is None:
         return None
-    return cover[0], digests.hexdigest([view[: cover[0]]], "blake3")
+    return header_ref(view, "blake3")
 
 
 def _cover(view: memoryview) -> tuple[int, dict[str, str], dict[str, list[tuple[int, int]]]] | None:
