@@ -75,7 +75,7 @@ from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
 from deltasync.device_diff import host_waits  # noqa: E402
 from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
-from deltasync.format import decode, encode_delta, read_header  # noqa: E402
+from deltasync.format import decode, encode_delta, file_entries, read_header  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
 
@@ -357,9 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode_waits = device_decode.host_waits() - decode_waits
         _, patches = replica_decode()  # on an accelerator: rebuilt there, indices and values on the device
         _, host_patches = decode(data, base=decoder.lookup)  # on the host, as the host path decodes them
-        import safetensors.torch
-
-        entries = safetensors.torch.load(bytes(data))
+        entries = file_entries(bytes(data))
 
         def floor_decompress() -> None:
             for key, part in entries.items():

@@ -18,8 +18,8 @@ Seeds are the golden files (``tests/golden``) and freshly encoded deltas of ever
 codec (sparse, dense, special values) and anchors, plus manifests of a real run.
 Mutations: byte flips (anywhere, or in the tensor data only, so the codecs'
 own checks are reached), truncation and extension, a forged header length,
-structured edits of the safetensors header and of the deltasync metadata (values
-of other types, huge and negative numbers, deep nesting, renamed tensors, wrong
+structured edits of the safetensors header, of the deltasync metadata and of a
+packed (format 4) delta's compressed table (values of other types, huge and negative numbers, deep nesting, renamed tensors, wrong
 shapes, dtypes, offsets and codec params), splices of two files; for manifests,
 structured JSON edits and byte flips.
 
@@ -35,6 +35,7 @@ and error type go to ``benchmarks/results/fuzz.json``.
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import hashlib
 import json
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, write_json  # noqa: E402
@@ -252,10 +254,22 @@ def join_safetensors(header: Any, body: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + body
 
 
+def _packed_table(header: Any) -> Any:
+    """The inflated table of a packed header, or ``None`` for any other header."""
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tensors_zstd"), str):
+        return None
+    try:
+        return json.loads(zstandard.ZstdDecompressor().decompressobj().decompress(base64.b64decode(meta["tensors_zstd"])))
+    except (ValueError, zstandard.ZstdError):
+        return None
+
+
 def mutate_file(rng: random.Random, seeds: list[bytes]) -> tuple[str, bytes]:
     """One mutated delta/anchor file and the name of the mutation."""
     data = bytearray(rng.choice(seeds))
-    kind = rng.choice(["flip", "body", "body", "truncate", "extend", "length", "header", "header", "header", "splice"])
+    kind = rng.choice(["flip", "body", "body", "truncate", "extend", "length", "header", "header", "header", "splice",
+                       "table", "table"])
     if kind == "body":  # the header stays valid: the codecs' own checks must catch it
         (n,) = struct.unpack("<Q", data[:8])
         if len(data) > 8 + n:
@@ -270,6 +284,16 @@ def mutate_file(rng: random.Random, seeds: list[bytes]) -> tuple[str, bytes]:
         data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
     elif kind == "length":
         data[:8] = struct.pack("<Q", rng.choice([0, 1, len(data), len(data) - 7, 2**31, 2**63, rng.randrange(2**16)]))
+    elif kind == "table":  # inside a packed (format 4) header's compressed table, where byte flips seldom reach
+        parts = split_safetensors(bytes(data))
+        table = _packed_table(parts[0]) if parts is not None else None
+        if table is not None:
+            header, body = parts
+            for _ in range(rng.randint(1, 3)):
+                table = mutate_json(rng, table)
+            frame = zstandard.ZstdCompressor().compress(dumps(table).encode())
+            header["__metadata__"]["tensors_zstd"] = base64.b64encode(frame).decode()
+            data = bytearray(join_safetensors(header, body))
     elif kind == "splice":
         other = split_safetensors(rng.choice(seeds))
         mine = split_safetensors(bytes(data))

@@ -46,7 +46,8 @@ from check import digests  # noqa: E402
 
 from deltasync import Publisher  # noqa: E402
 from deltasync.digests import hasher, hexdigest  # noqa: E402
-from deltasync.format import read_header  # noqa: E402
+from deltasync.format import raw_header, read_header  # noqa: E402
+from deltasync.format.layout import pack  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
 
 Weights = dict[str, torch.Tensor]
@@ -223,6 +224,7 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "format-2-blake3": blake3_case,
         "format-3-value-blake3": blake3_case,
         "anchors-by-entries": by_entries_case,
+        "format-4-packed": packed_case,
     }
 
 
@@ -230,7 +232,8 @@ FROZEN = {  # written by earlier writers and kept as they are: what was written 
     1: ("shapes-bf16-compact", "shapes-bf16-compact-abs", "shapes-bf16-compact-exp", "shapes-bf16-raw",
         "dtypes-f16-f32-compact", "anchors-multipart-retired", "sharded-2-ranks"),  # SHA-256 digests
     2: ("format-2-blake3",),  # BLAKE3 digests for objects, headers and entries; BLAKE2b value digests
-    3: ("format-3-value-blake3", "shapes-bf16-exp-rice"),  # manifest schema 2: anchors by whole-object BLAKE3
+    3: ("format-3-value-blake3", "shapes-bf16-exp-rice",  # manifest schema 2: anchors by whole-object BLAKE3
+        "anchors-by-entries"),  # manifest schema 3, deltas with the plain header
 }
 
 
@@ -245,6 +248,13 @@ def by_entries_case(root: Path) -> None:
     (``blake3-entries``), deltas by whole-object BLAKE3."""
     weights = dtypes_model()
     write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=2, part_bytes=4 << 10))
+
+
+def packed_case(root: Path) -> None:
+    """Format 4: every delta with the packed header; one anchor (of three files, by their headers), so a reader
+    reaches every version through the deltas."""
+    weights = dtypes_model()
+    write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000, part_bytes=4 << 10))
 
 
 def broken_by_entries(out: Path, source: Path) -> None:
@@ -289,6 +299,73 @@ def broken_by_entries(out: Path, source: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- sharded
+
+
+def broken_packed(out: Path, source: Path) -> None:
+    """Copies of the ``format-4-packed`` case with version 2's delta damaged inside its packed header, every
+    hash recomputed: only the format's own checks can refuse them."""
+    manifest = json.loads((source / "store" / "manifest.json").read_text())
+    key = next(v["delta"][0]["key"] for v in manifest["versions"] if v["version"] == 2)
+    case = json.loads((source / "case.json").read_text())
+
+    def make(name: str, error: str, why: str, edit: Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]],
+             after: Callable[[dict[str, Any]], None] = lambda packed: None) -> None:
+        root = out / name
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(source / "store", root / "store")
+        header, body = edit(*_unpacked(source / "store" / key))
+        packed = pack(header["__metadata__"], {k: v for k, v in header.items() if k != "__metadata__"})
+        after(packed)
+        (root / "store" / key).write_bytes(_file(json.dumps(packed, separators=(",", ":"), ensure_ascii=False), body))
+        _rehash(root / "store", key)
+        versions = {v: d for v, d in case["versions"].items() if int(v) < 2}
+        refuse = {"version": 2, "error": error, "why": why}
+        (root / "case.json").write_text(
+            json.dumps({**case, "versions": versions, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
+        )
+
+    def overlap(header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        start, stop = header[first]["data_offsets"]
+        second = next(k for k in header if k != "__metadata__" and header[k]["data_offsets"][0] == stop)
+        a, b = header[second]["data_offsets"]
+        header[second]["data_offsets"] = [a - 1, b - 1]  # one byte in two streams, one byte in none
+        return header, body
+
+    def stray(header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        tensor = next(k for k in header if k != "__metadata__").rpartition("::")[0]
+        header[f"{tensor}::extra"] = {"dtype": "U8", "shape": [4], "data_offsets": [len(body), len(body) + 4]}
+        body += b"\0\1\2\3"
+        return _with_entry_digest(header, body, tensor), body
+
+    def plain_too(packed: dict[str, Any]) -> None:  # a reader taking either table must not see the other
+        packed["__metadata__"]["tensors"] = json.dumps({})
+
+    make("packed-overlapping-streams", "DeltaFormatError",
+         "the packed table places two streams over one byte and leaves another unclaimed", overlap)
+    make("packed-stray-stream", "DeltaFormatError",
+         "the packed table lists a stream its tensor's codec does not use (the entry digest covers it)", stray)
+    make("packed-table-twice", "DeltaFormatError",
+         "the packed header also holds a plain 'tensors' table, which a reader must not read",
+         lambda header, body: (header, body), plain_too)
+
+
+def _unpacked(path: Path) -> tuple[dict[str, Any], bytes]:
+    """A packed delta's header as format 3 lays it out, and its data area."""
+    data = path.read_bytes()
+    return raw_header(data), data[8 + struct.unpack("<Q", data[:8])[0] :]
+
+
+def _with_entry_digest(header: dict[str, Any], body: bytes, tensor: str) -> dict[str, Any]:
+    """``header`` with ``tensor``'s entry digest recomputed over its streams, in entry-name order."""
+    table = json.loads(header["__metadata__"]["tensors"])
+    h = hasher("blake3")
+    for key in sorted(k for k in header if k != "__metadata__" and k.rpartition("::")[0] == tensor):
+        start, stop = header[key]["data_offsets"]
+        h.update(body[start:stop])
+    table[tensor]["blake3"] = h.hexdigest()
+    header["__metadata__"]["tensors"] = json.dumps(table, separators=(",", ":"), ensure_ascii=False)
+    return header
 
 
 def _rank(rank: int, world: int, init: str, root: str) -> None:
@@ -497,8 +574,8 @@ def main(argv: list[str]) -> None:
         for name in only:
             shutil.rmtree(ROOT / "broken" / f"{name}-format-3", ignore_errors=True)
         broken(ROOT / "broken", ROOT / "golden" / "format-3-value-blake3", suffix="-format-3", only=only)
-    if "anchors-by-entries" in names:
-        broken_by_entries(ROOT / "broken", ROOT / "golden" / "anchors-by-entries")
+    if "format-4-packed" in names:
+        broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-packed")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

@@ -62,6 +62,23 @@ class TestInspect:
         assert info["dense_bytes"] == 2 * sum(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1)
                                               for t in info["tensors"])
 
+    def test_a_packed_delta_shows_its_streams_and_header(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        from deltasync.diff import Snapshot, diff
+        from deltasync.format import encode_delta
+
+        base = {"embed.weight": torch.zeros(12, 8, dtype=torch.bfloat16), "norm.weight": torch.ones(8, dtype=torch.bfloat16)}
+        target = {k: v.clone() for k, v in base.items()}
+        target["embed.weight"].view(-1)[[0, 5, 77]] += 1
+        path = tmp_path / "delta.safetensors"
+        path.write_bytes(data := encode_delta(diff(Snapshot.capture(base), target), version=2, base_version=1))
+        assert main(["inspect", "--json", str(path)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["format_version"] == 4 and info["header_bytes"] == 8 + int.from_bytes(data[:8], "little")
+        assert [t["name"] for t in info["tensors"]] == ["embed.weight"]
+        assert 0 < info["tensors"][0]["bytes"] == len(data) - info["header_bytes"]  # its streams, not "streams"
+        assert main(["inspect", str(path)]) == 0
+        assert "(packed, format 4)" in capsys.readouterr().out
+
     def test_refused_file_is_a_clear_error(self, tmp_path: Path) -> None:
         bad = tmp_path / "bad.safetensors"
         bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
@@ -574,18 +591,16 @@ def test_a_damaged_payload_and_a_wrong_base_are_told_apart(tmp_path: Path) -> No
     base = {"w": snapshot["w"].clone()}
     applier = TorchModuleApplier(base)
     # Alter the values part into another valid zstd frame, keeping the header (and its entry digest) as is.
-    import struct
-
-    import safetensors.torch
     import zstandard
 
-    size = struct.unpack("<Q", bytes(data[:8]))[0]
-    metadata = json.loads(bytes(data[8 : 8 + size]))["__metadata__"]
-    entries = safetensors.torch.load(bytes(data))
+    from deltasync.format import file_entries, raw_header, serialize
+
+    metadata = raw_header(bytes(data))["__metadata__"]
+    entries = {k: v.clone() for k, v in file_entries(bytes(data)).items()}
     plain = bytearray(zstandard.ZstdDecompressor().decompress(entries["w::val"].numpy().tobytes()))
     plain[0] ^= 0x02
     entries["w::val"] = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(plain))), dtype=torch.uint8)
-    damaged = safetensors.torch.save(entries, metadata=metadata)
+    damaged = serialize(entries, metadata)
     with pytest.raises(IntegrityError, match="altered after it was written"):
         decode(damaged, base=applier.lookup)
     base["w"].view(torch.int16)[::7] += 1  # a receiver one step off the delta's base

@@ -106,9 +106,10 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
         *[("dims", d) for d in range(5)],
         ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),
         ("gap bytes", 4, "plain"), ("shard rows",), ("zero elements", "anchor"), ("non-ascii name",),
-        ("format", 1), ("format", 2), ("format", 3), ("entry digest", 1, "sha256"), ("entry digest", 2, "blake3"),
-        ("entry digest", 3, "blake3"), ("value digest", 1, "sum"), ("value digest", 2, "sum"),
-        ("value digest", 3, "blake3"),
+        ("format", 1), ("format", 2), ("format", 3), ("format", 4), ("entry digest", 1, "sha256"),
+        ("entry digest", 2, "blake3"), ("entry digest", 3, "blake3"), ("entry digest", 4, "blake3"),
+        ("value digest", 1, "sum"), ("value digest", 2, "sum"), ("value digest", 3, "blake3"),
+        ("value digest", 4, "blake3"),
         *[("exp-rice streams", iz, vz) for iz in (0, 1) for vz in (0, 1)],
     ]:
         assert seen[need if len(need) > 1 else need[0]], f"no golden file has {need}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from pathlib import Path
@@ -26,7 +27,7 @@ from deltasync.errors import (
     IntegrityError,
     TensorMismatch,
 )
-from deltasync.format import decode, encode_anchor, encode_delta, raw_header, read_header
+from deltasync.format import decode, encode_anchor, encode_delta, file_entries, raw_header, read_header, serialize
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -50,11 +51,12 @@ def make_delta(codec: str = "compact") -> tuple[bytes, dict[str, torch.Tensor], 
 
 
 def rebuild(data: bytes, mutate) -> bytes:
-    """Re-serialize a file after ``mutate(tensors, metadata)`` edits it."""
-    tensors = safetensors.torch.load(data)
+    """Re-serialize a file after ``mutate(tensors, metadata)`` edits it (in its own format: a packed
+    delta's entries and table as format 3 lists them, packed again)."""
+    tensors = {name: t.clone() for name, t in file_entries(data).items()}
     meta = raw_header(data)["__metadata__"]
     mutate(tensors, meta)
-    return safetensors.torch.save(tensors, metadata=meta)
+    return serialize(tensors, meta)
 
 
 def edit_entry(name: str, **changes) -> callable:
@@ -70,7 +72,7 @@ class TestHeader:
     def test_metadata_is_self_describing(self) -> None:
         data, _, _ = make_delta()
         meta = raw_header(data)["__metadata__"]
-        assert meta["format"] == "deltasync" and meta["format_version"] == "3"
+        assert meta["format"] == "deltasync" and meta["format_version"] == "4"
         assert meta["kind"] == "delta" and meta["version"] == "2" and meta["base_version"] == "1"
         header = read_header(data)
         assert header.nnz == 5 and header.numel == 104
@@ -195,7 +197,7 @@ class TestRefusals:
 
     def test_future_format_version(self) -> None:
         data, _, _ = make_delta()
-        newer = rebuild(data, lambda t, m: m.update(format_version="4"))
+        newer = rebuild(data, lambda t, m: m.update(format_version="5"))
         with pytest.raises(DeltaFormatError, match="upgrade deltasync"):
             read_header(newer)
 
@@ -234,9 +236,15 @@ class TestRefusals:
             decode(bad, base=lambda n, i: np.zeros(i.size, np.int16))
 
     def test_stray_entry(self) -> None:
-        data, _, _ = make_delta()
+        data, _, _ = make_delta("raw")  # a plain header can list an entry of no tensor; a packed one cannot
         with pytest.raises(DeltaFormatError, match="without metadata"):
             decode(rebuild(data, lambda t, m: t.update({"other::idx": torch.zeros(1, dtype=torch.uint8)})))
+
+    def test_stray_stream(self) -> None:
+        data, base, _ = make_delta()
+        forged = rebuild(data, lambda t, m: t.update({"norm.weight::extra": torch.zeros(1, dtype=torch.uint8)}))
+        with pytest.raises(DeltaFormatError, match="extra"):
+            decode(forged, base=TorchModuleApplier(base).lookup)
 
     def test_wrong_base_detected_by_value_digest(self) -> None:
         data, base, _ = make_delta("compact")
@@ -429,11 +437,35 @@ def _with_header_text(data: bytes, edit: Any) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + length :]
 
 
-def _small_delta() -> bytes:
+def _with_table_text(data: bytes, edit: Any) -> bytes:
+    """A packed delta with the JSON text of its tensor table passed through ``edit``, packed again."""
+    def repack(text: str) -> str:
+        header = json.loads(text)
+        table = zstandard.ZstdDecompressor().decompressobj().decompress(
+            base64.b64decode(header["__metadata__"]["tensors_zstd"]))
+        frame = zstandard.ZstdCompressor().compress(edit(table.decode()).encode())
+        header["__metadata__"]["tensors_zstd"] = base64.b64encode(frame).decode()
+        return json.dumps(header, separators=(",", ":"))
+
+    return _with_header_text(data, repack)
+
+
+def _small_delta(*, packed: bool = True) -> bytes:
     weights = {"w": torch.randn(64, generator=torch.Generator().manual_seed(0))}
     snapshot = Snapshot.capture(weights)
     weights["w"][3] += 1.0
-    return encode_delta(diff(snapshot, weights), version=7, base_version=6)
+    data = encode_delta(diff(snapshot, weights), version=7, base_version=6)
+    return data if packed else _as_format_3(data)
+
+
+def _as_format_3(data: bytes) -> bytes:
+    """A packed delta written again with the plain header of format 3 (the same data area)."""
+    meta = raw_header(data)["__metadata__"]
+    table = json.loads(meta["tensors"])
+    for entry in table.values():
+        del entry["parts"]
+    meta = {**meta, "format_version": "3", "tensors": json.dumps(table, separators=(",", ":"))}
+    return serialize({k: v.clone() for k, v in file_entries(data).items()}, meta)
 
 
 @pytest.mark.parametrize("spelling", ["07", "+7", " 7", "7 ", "7_0", "٧", "7.0", "-7", ""])
@@ -456,10 +488,15 @@ def test_metadata_integers_have_one_spelling(spelling: str) -> None:
         ('\\"nnz\\":1', '\\"nnz\\":1,\\"nnz\\":1'),  # a key twice inside the tensor table
     ],
 )
-def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str) -> None:
-    data = _small_delta()
-    forged = _with_header_text(data, lambda t: t.replace(old, new, 1))
-    assert forged != data
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str, packed: bool) -> None:
+    if packed:  # the table is JSON of its own inside the packed frame, not a string inside the header
+        data = _small_delta()
+        forged = _with_table_text(data, lambda t: t.replace(old.replace("\\", ""), new.replace("\\", ""), 1))
+    else:
+        data = _small_delta(packed=False)
+        forged = _with_header_text(data, lambda t: t.replace(old, new, 1))
+    assert forged != data and read_header(data).format_version == (4 if packed else 3)
     replica = TorchModuleApplier({"w": torch.zeros(64, dtype=torch.bfloat16)})
     with pytest.raises((DeltaFormatError, CodecError)):
         decode(forged, base=replica.lookup)
@@ -609,3 +646,162 @@ def test_an_anchor_from_cuda_tensors_is_the_anchor_of_their_cpu_copies() -> None
     on_gpu = {name: t.cuda() for name, t in on_cpu.items()}
     on_gpu["c"] = on_cpu["c"].t().contiguous().cuda().t()
     assert encode_anchor(on_gpu, version=3) == encode_anchor(on_cpu, version=3)
+
+
+class TestPackedHeader:
+    """Format 4: a delta's stream layout and tensor table travel zstd-compressed under one ``streams`` entry."""
+
+    @staticmethod
+    def _plain(data: bytes) -> bytes:
+        """The same delta written with the format-3 header."""
+        return _as_format_3(data)
+
+    @staticmethod
+    def _meta(data: bytes) -> dict[str, Any]:
+        length = struct.unpack("<Q", data[:8])[0]
+        return json.loads(data[8 : 8 + length])
+
+    def test_a_delta_is_packed_and_reads_as_its_plain_twin(self) -> None:
+        data, base, target = make_delta()
+        plain = self._plain(data)
+        packed_head, plain_head = 8 + struct.unpack("<Q", data[:8])[0], 8 + struct.unpack("<Q", plain[:8])[0]
+        assert safetensors.torch.load(data).keys() == {"streams"}  # still a valid safetensors file
+        assert data[packed_head:] == plain[plain_head:]  # the same data area, byte for byte
+        assert self._meta(data).keys() == {"__metadata__", "streams"} and "tensors" not in self._meta(data)
+        unpacked, flat = raw_header(data), raw_header(plain)
+        table = json.loads(unpacked["__metadata__"].pop("tensors"))
+        assert {k: v for k, v in unpacked.items() if k != "__metadata__"} == {
+            f"{name}::{part}": info for name, entry in table.items() for part, info in entry.pop("parts").items()}
+        assert table == json.loads(flat["__metadata__"].pop("tensors"))
+        assert unpacked == {**flat, "__metadata__": {**flat["__metadata__"], "format_version": "4"}}
+        assert read_header(data).tensors == read_header(plain).tensors
+        for blob in (data, bytearray(data), plain):
+            replica = {k: v.clone() for k, v in base.items()}
+            applier = TorchModuleApplier(replica)
+            header, patches = decode(blob, base=applier.lookup)
+            applier.apply(patches)
+            assert all(torch.equal(replica[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
+
+    def test_the_header_shrinks(self) -> None:
+        """272 tensors like SmolLM2-135M's, one changed element each: the packed header is a fraction of the plain."""
+        weights = {f"model.layers.{i // 9}.mlp.part_{i % 9}.weight": torch.randn(64) for i in range(272)}
+        snapshot = Snapshot.capture(weights)
+        for t in weights.values():
+            t[5] += 1.0
+        data = encode_delta(diff(snapshot, weights), version=2, base_version=1)
+        plain = self._plain(data)
+        head, plain_head = struct.unpack("<Q", data[:8])[0], struct.unpack("<Q", plain[:8])[0]
+        assert head * 3 < plain_head, (head, plain_head)
+
+    def test_a_raw_delta_and_an_anchor_keep_the_plain_header(self) -> None:
+        base, _ = golden_weights()
+        assert read_header(make_delta("raw")[0]).format_version == 3
+        assert read_header(encode_anchor(base, version=1)).format_version == 3
+
+    def test_an_anchor_claiming_format_4_is_refused(self) -> None:
+        base, _ = golden_weights()
+        data = encode_anchor(base, version=1)
+        forged = _with_header_text(data, lambda t: t.replace('"format_version":"3"', '"format_version":"4"'))
+        with pytest.raises(DeltaFormatError):
+            read_header(forged)
+
+    @staticmethod
+    def _frame(table: bytes, *, size: bool = True) -> str:
+        return base64.b64encode(zstandard.ZstdCompressor(write_content_size=size).compress(table)).decode()
+
+    @pytest.mark.parametrize(
+        ("edit", "match"),
+        [
+            (lambda h, f: h["__metadata__"].update(tensors_zstd="not base64!"), "base64"),
+            (lambda h, f: h["__metadata__"].update(tensors_zstd=base64.b64encode(b"plain text").decode()), "zstd"),
+            (lambda h, f: h["__metadata__"].update(tensors_zstd=f(b"{}", size=False)), "declare"),
+            (lambda h, f: h["__metadata__"].update(tensors_zstd=base64.b64encode(
+                base64.b64decode(h["__metadata__"]["tensors_zstd"]) + b"\0").decode()), "one zstd frame"),
+            (lambda h, f: h["__metadata__"].update(tensors_zstd=f(b"[]")), "object"),
+            (lambda h, f: h["__metadata__"].update(tensors_zstd=f(b'{"norm.weight":{"codec":"compact"}}')), "parts"),
+            (lambda h, f: h["__metadata__"].update(tensors="{}"), "only"),
+            (lambda h, f: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "one entry"),
+            (lambda h, f: h["streams"].update(data_offsets=[1, h["streams"]["shape"][0]]), "'streams'"),
+            (lambda h, f: h["streams"].update(dtype="BF16"), "'streams'"),
+            (lambda h, f: h["streams"].update(data_offsets=[0, h["streams"]["shape"][0] + 2],
+                                              shape=[h["streams"]["shape"][0] + 2]), "end at byte"),
+        ],
+        ids=["base64", "not-zstd", "no-size", "trailing", "not-object", "no-parts", "plain-too", "extra-entry",
+             "offset", "dtype", "longer"],
+    )
+    def test_a_malformed_packed_header_is_refused(self, edit: Any, match: str) -> None:
+        data, _, _ = make_delta()
+
+        def forge(text: str) -> str:
+            header = json.loads(text)
+            edit(header, self._frame)
+            return json.dumps(header, separators=(",", ":"))
+
+        with pytest.raises(DeltaFormatError, match=match):
+            read_header(_with_header_text(data, forge))
+
+    def test_a_table_that_would_inflate_past_the_cap_is_refused_before_inflating(self) -> None:
+        data, _, _ = make_delta()
+        frame = bytearray(zstandard.ZstdCompressor().compress(b"{}"))
+        # A frame header declaring 2**40 bytes: frame header descriptor with an 8-byte content size field.
+        bomb = bytes(frame[:4]) + bytes([0xC0]) + (1 << 40).to_bytes(8, "little") + bytes(frame[6:])
+
+        def forge(text: str) -> str:
+            header = json.loads(text)
+            header["__metadata__"]["tensors_zstd"] = base64.b64encode(bomb).decode()
+            return json.dumps(header, separators=(",", ":"))
+
+        with pytest.raises(DeltaFormatError, match="at most"):
+            read_header(_with_header_text(data, forge))
+
+    def test_streams_that_overlap_are_refused(self) -> None:
+        data, base, _ = make_delta()
+        forged = _with_table_text(data, lambda t: t.replace('"data_offsets":[0,', '"data_offsets":[1,', 1))
+        with pytest.raises(DeltaFormatError):
+            decode(forged, base=TorchModuleApplier(base).lookup)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_edits_inside_a_packed_table_raise_only_typed_errors(data: st.DataObject) -> None:
+    """What a byte flip seldom reaches: the structure inside the compressed table. Any edit either decodes
+    or raises a DeltaSyncError (a receiver's order: header, its check against the receiver, decode)."""
+    codec = data.draw(st.sampled_from(["compact", "compact-abs", "compact-exp", "exp-rice"]))
+    original, base, _ = make_delta(codec)
+
+    def edit(text: str) -> str:
+        table = json.loads(text)
+        for _ in range(data.draw(st.integers(1, 3))):
+            name = data.draw(st.sampled_from(sorted(table)))
+            entry = table[name]
+            where = data.draw(st.sampled_from(["entry", "params", "parts", "stream", "name"]))
+            if where == "name":
+                table[data.draw(st.text(max_size=12))] = table.pop(name)
+                continue
+            node = {"entry": entry, "params": entry.get("params"), "parts": entry.get("parts")}.get(where)
+            if where == "stream" and isinstance(entry.get("parts"), dict) and entry["parts"]:
+                node = entry["parts"][data.draw(st.sampled_from(sorted(entry["parts"])))]
+            if not isinstance(node, dict):
+                continue
+            key = data.draw(st.sampled_from(sorted(node) + ["extra"]))
+            if data.draw(st.booleans()) and key in node:
+                del node[key]
+            else:
+                node[key] = data.draw(_JSON)
+        return json.dumps(table)
+
+    forged = _with_table_text(original, edit)
+    receiver = TorchModuleApplier(base)
+    try:  # the subscriber's order: the header against the receiver, then the decode
+        header = read_header(forged)
+        receiver.validate(header)
+        decode(forged, base=receiver.lookup, header=header)
+    except DeltaSyncError:
+        pass

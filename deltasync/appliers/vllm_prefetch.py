@@ -29,7 +29,7 @@ import torch
 from ..codec import get_codec
 from ..codec.compact import CompactCodec, decode_indices
 from ..errors import DeltaSyncError
-from ..format import Header, read_header
+from ..format import Header, file_entries, read_header
 from ..stores import Store
 from ..stores.wrap import DelegatingStore
 
@@ -122,8 +122,6 @@ def changed_indices(headers: Iterable[Header], tapped: TapBuffer) -> dict[str, l
 def _load_entries(blob: bytes) -> dict[str, np.ndarray] | None:
     """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it)."""
     try:
-        import safetensors.torch
-
-        return {k: v.numpy() for k, v in safetensors.torch.load(blob).items() if v.dtype == torch.uint8}
+        return {k: v.numpy() for k, v in file_entries(blob).items() if v.dtype == torch.uint8}
     except Exception:
         return None

@@ -69,6 +69,7 @@ def describe(header: Header, data: bytes) -> dict[str, Any]:
         "base_version": header.base_version,
         "fingerprint": header.fingerprint,
         "bytes": len(data),
+        "header_bytes": 8 + int.from_bytes(data[:8], "little"),
         "dense_bytes": sum(e.spec.numel * e.spec.torch_dtype.itemsize for e in header.tensors.values()),
         "numel": header.numel,
         "nnz": header.nnz,
@@ -93,6 +94,8 @@ def _print_inspect(info: dict[str, Any], limit: int) -> None:
     print(f"{info['kind']} version {info['version']}{base}, format v{info['format_version']}")
     print(f"model fingerprint  {info['fingerprint']}")
     print(f"file size          {info['bytes']:,} bytes")
+    packed = " (packed, format 4)" if info["format_version"] >= 4 else ""
+    print(f"header             {info['header_bytes']:,} bytes{packed}")
     if info["sparsity"] is None:
         print(f"elements           {info['nnz']:,} of {info['numel']:,} (whole tensors)")
     else:

@@ -4,9 +4,12 @@ A *delta* carries, for each changed tensor ``T``, the entries ``T::idx`` /
 ``T::val`` (or whatever parts its codec names) and, in the safetensors
 ``__metadata__``, everything needed to check and decode it: format and version,
 model fingerprint, version and base version, and per tensor its codec, shape,
-dtype, changed-element count and codec params. An *anchor* is a plain bf16
-checkpoint (entries named after the tensors themselves, loadable by any
-safetensors reader) with the same metadata. ``docs/FORMAT.md`` specifies it.
+dtype, changed-element count and codec params. Since format 4 a delta packs
+that table, with each stream's layout, into one zstd-compressed metadata value
+over a single ``streams`` entry (:mod:`.layout`); readers see format 3's
+entries either way. An *anchor* is a plain bf16 checkpoint (entries named
+after the tensors themselves, loadable by any safetensors reader) with the
+same metadata. ``docs/FORMAT.md`` specifies it.
 
 Reading is split in two so a receiver can refuse a file before decoding it:
 :func:`read_header` parses and validates the metadata alone, and
@@ -15,7 +18,7 @@ Reading is split in two so a receiver can refuse a file before decoding it:
 
 from __future__ import annotations
 
-from .decode import combine, decode, decode_entries
+from .decode import combine, decode, decode_entries, file_entries
 from .encode import (
     DEFAULT_LEVEL,
     as_numpy_bits,
@@ -26,13 +29,14 @@ from .encode import (
     serialize_parts,
 )
 from .header import (
+    ANCHOR_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
+    Elements,
     Header,
     Kind,
-    Elements,
     Rows,
     TensorEntry,
     Window,
@@ -45,11 +49,14 @@ from .header import (
     read_header,
     slice_spec,
 )
+from .layout import PACKED_VERSION
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "ANCHOR_VERSION",
     "MAX_HEADER_BYTES",
+    "PACKED_VERSION",
     "SAFETENSORS_DTYPES",
     "DEFAULT_LEVEL",
     "Kind",
@@ -74,5 +81,6 @@ __all__ = [
     "check_compatible",
     "decode",
     "decode_entries",
+    "file_entries",
     "combine",
 ]

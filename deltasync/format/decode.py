@@ -23,6 +23,7 @@ from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityErro
 from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, raw_header, read_header, tiled_spans
+from .layout import packed
 
 __all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
@@ -67,16 +68,20 @@ def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor
     straight into the replica's weights, one copy in all. Read-only bytes are
     copied by safetensors (torch refuses to view them).
 
+    A packed (format 4) delta's entries are its streams, as format 3 lists them.
+
     Raises:
         `DeltaFormatError`: a malformed header, or entries that overlap, leave gaps or overrun the file.
     """
     view = memoryview(data).cast("B")
-    if view.readonly:
+    layout = raw_header(view)
+    if view.readonly and packed(layout):
+        view = memoryview(bytearray(view))  # a delta: a few MB, viewed entry by entry below
+    elif view.readonly:
         try:
             return safetensors.torch.load(bytes(view))
         except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
             raise DeltaFormatError(f"corrupt safetensors body: {exc}") from None
-    layout = raw_header(view)
     head = 8 + int.from_bytes(view[:8], "little")
     body = len(view) - head
     spans = tiled_spans(layout, body)

@@ -23,6 +23,7 @@ from ..diff import ChangeSet, TensorChange
 from ..parallel import map_shared
 from ..tensors import TensorSpec, settle
 from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
+from .layout import PACKED_VERSION, pack
 
 __all__ = [
     "DEFAULT_LEVEL", "encode_delta", "encode_anchor", "encode_anchor_parts", "serialize", "serialize_parts",
@@ -99,7 +100,8 @@ def encode_delta(
             full[change.spec.name], name, change.nnz, encoded.params, (rows or {}).get(change.spec.name),
             entry_digest([parts[key] for key in sorted(parts)]),
         )
-    meta = metadata_strings("delta", version, base_version, specs, entries)
+    # A raw delta keeps the plain header: any safetensors reader can apply it (docs/FORMAT.md, "raw").
+    meta = metadata_strings("delta", version, base_version, specs, entries, packed=codec != "raw")
     return serialize(tensors, meta)
 
 
@@ -124,7 +126,8 @@ def _nbytes(encoded: Any) -> int:
 
 
 def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost."""
+    """``safetensors.torch.save(tensors, metadata=metadata)``, byte for byte, without its per-entry cost (for
+    a delta's metadata, with its packed header: :func:`serialize_parts`)."""
     return b"".join(serialize_parts(tensors, metadata))
 
 
@@ -144,11 +147,17 @@ def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     (:func:`natural_key`; safetensors itself sorts by plain name, and any
     order is a valid file). Anything else (other dtypes, devices,
     big-endian hosts) goes through safetensors itself.
+
+    Metadata of format 4 (a delta's) gets the packed header
+    (:func:`~deltasync.format.layout.pack`): the same data area under one
+    ``streams`` entry; through safetensors itself it is written as format 3.
     """
     if sys.byteorder != "little" or any(
         t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" or not t.is_contiguous()
         for t in tensors.values()
     ):
+        if metadata.get("format_version") == str(PACKED_VERSION):  # the plain header says the same
+            metadata = {**metadata, "format_version": str(PACKED_VERSION - 1)}
         data = safetensors.torch.save(tensors, metadata=metadata)
         head = 8 + struct.unpack("<Q", data[:8])[0]
         return [data[:head], memoryview(data)[head:]]
@@ -166,6 +175,8 @@ def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
         }
         buffers.append(data)
         offset += data.size
+    if metadata.get("format_version") == str(PACKED_VERSION):
+        header = pack(metadata, {name: info for name, info in header.items() if name != "__metadata__"})
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return [struct.pack("<Q", len(raw)) + raw, *buffers]

@@ -9,7 +9,6 @@ safetensors JSON header (length-bounded, strict JSON), the deltasync metadata
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
 from collections.abc import Sequence
@@ -22,10 +21,12 @@ from .. import digests
 from ..errors import DeltaFormatError, FingerprintMismatch
 from ..jsonio import load_json
 from ..tensors import TensorSpec, dtype_from_name, fingerprint
+from .layout import MAX_HEADER_BYTES, PACKED_VERSION, SAFETENSORS_DTYPES, entry_span, tiled_spans, unpack
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "ANCHOR_VERSION",
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
     "Kind",
@@ -50,23 +51,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "deltasync"
-FORMAT_VERSION = 3  # 2: BLAKE3 entry digests; 3: BLAKE3 value digests (readers accept 1 to 3; docs/FORMAT.md, "Versions")
-# Metadata of a 100k-tensor model is ~20 MB; beyond this a header is hostile.
-MAX_HEADER_BYTES = 64 << 20
-
-# safetensors' element type names, in its writer's layout order (entries of a later type come first).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-}
+FORMAT_VERSION = PACKED_VERSION  # 2: BLAKE3 entry digests; 3: BLAKE3 value digests; 4: packed delta headers
+ANCHOR_VERSION = 3  # anchors keep the plain header, so any safetensors reader (and any reader of 3) loads them
 
 Kind = Literal["delta", "anchor"]
 Rows = tuple[int, int]
@@ -204,12 +190,15 @@ def metadata_strings(
     base_version: int | None,
     specs: tuple[TensorSpec, ...],
     entries: dict[str, dict[str, Any]],
+    *,
+    packed: bool = True,
 ) -> dict[str, str]:
+    """A file's ``__metadata__``; a delta's says format 4 (packed when written) unless not ``packed``."""
     numel = sum(s.numel for s in specs)
     nnz = sum(e["nnz"] for e in entries.values())
     meta = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION if kind == "delta" and packed else ANCHOR_VERSION),
         "kind": kind,
         "version": str(version),
         "fingerprint": fingerprint(specs),
@@ -230,46 +219,6 @@ def header_ref(data: bytes | memoryview, algorithm: str = digests.WRITE) -> tupl
     return size, digests.hexdigest([memoryview(data)[:size]], algorithm)
 
 
-def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[int, int]:
-    """A safetensors entry's ``[start, stop)`` in the data area of ``body`` bytes, once it fits it, its dtype
-    and its shape.
-
-    Raises:
-        `DeltaFormatError`: an unknown dtype, a malformed shape or offsets, or a range outside the body
-            or of another length than the shape and dtype give.
-    """
-    try:
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
-        start, stop = info["data_offsets"]  # type: ignore[index]
-        shape = info["shape"]  # type: ignore[index]
-        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape))
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok or not start <= stop <= body or stop - start != math.prod(shape) * dtype.itemsize:
-        raise DeltaFormatError(f"{key}: entry {entry!r} has an impossible type, shape or byte range", key=key)
-    return start, stop
-
-
-def tiled_spans(layout: dict[str, Any], body: int, key: str = "file") -> dict[str, tuple[int, int]]:
-    """Every safetensors entry's ``[start, stop)`` in a data area of ``body`` bytes, checked to tile it
-    exactly: no byte outside an entry, none in two.
-
-    Raises:
-        `DeltaFormatError`: an impossible entry (see :func:`entry_span`), a gap, an overlap, or entries that
-            end before the data area does.
-    """
-    spans = {name: entry_span(info, body, name, key) for name, info in layout.items() if name != "__metadata__"}
-    at = 0
-    for start, stop in sorted(spans.values()):
-        if start != at:
-            raise DeltaFormatError(f"corrupt safetensors body: entries do not tile the data area (a gap or an "
-                                   f"overlap at byte {start})", key=key)
-        at = stop
-    if at != body:
-        raise DeltaFormatError(f"corrupt safetensors body: entries end at byte {at} of {body}", key=key)
-    return spans
-
-
 def entry_groups(header: Header, layout: dict[str, Any]) -> dict[str, list[str]]:
     """The safetensors entries of each tensor, in entry-name order (an anchor's entry is the tensor's name,
     a delta's are ``T::part``); an entry of a tensor the header does not list is grouped under its owner."""
@@ -281,7 +230,8 @@ def entry_groups(header: Header, layout: dict[str, Any]) -> dict[str, list[str]]
 
 
 def raw_header(data: bytes | memoryview) -> dict[str, Any]:
-    """The safetensors JSON header of ``data``, with its length bounded and checked."""
+    """The safetensors JSON header of ``data``, with its length bounded and checked; a packed (format 4)
+    delta's as format 3 would have laid it out, an entry per stream (:func:`~deltasync.format.layout.unpack`)."""
     if len(data) < 8:
         raise DeltaFormatError("not a safetensors file: shorter than 8 bytes")
     (length,) = struct.unpack("<Q", bytes(data[:8]))
@@ -293,7 +243,7 @@ def raw_header(data: bytes | memoryview) -> dict[str, Any]:
     header = load_json(bytes(data[8 : 8 + length]), what="safetensors header", error=DeltaFormatError)
     if not isinstance(header, dict):
         raise DeltaFormatError("safetensors header must be a JSON object")
-    return header
+    return unpack(header)
 
 
 def read_header(data: bytes | memoryview) -> Header:
@@ -349,6 +299,8 @@ def _parse_header(meta: dict[str, Any]) -> Header:
     kind = meta["kind"]
     if kind not in ("delta", "anchor"):
         raise DeltaFormatError(f"unknown kind {kind!r}")
+    if kind == "anchor" and format_version > ANCHOR_VERSION:
+        raise DeltaFormatError(f"an anchor is written in format {ANCHOR_VERSION} or earlier, not {format_version}")
     version = _integer(meta, "version")
     base = _integer(meta, "base_version") if kind == "delta" else None
     if version < 0 or (base is not None and not 0 <= base < version):
