@@ -24,11 +24,11 @@ def load_json(data: bytes, *, what: str, error: type[Exception]) -> Any:
     """
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out:
-                raise error(f"{what} has the key {key!r:.60} twice")
-            out[key] = value
+        out = dict(items)  # built in C; a key twice leaves it shorter (a loop here took 2/3 of a table's parse)
+        if len(out) != len(items):
+            seen: set[str] = set()
+            twice = next(key for key, _ in items if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+            raise error(f"{what} has the key {twice!r:.60} twice")
         return out
 
     def constant(name: str) -> Any:

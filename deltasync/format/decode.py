@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -22,7 +23,7 @@ from ..codec.packed import chunks, decode_chunk
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..parallel import map_shared
 from ..tensors import TensorSpec
-from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, raw_header, read_header, tiled_spans
+from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
 from .layout import packed
 
 __all__ = ["decode", "decode_entries", "file_entries", "combine"]
@@ -56,11 +57,12 @@ def decode(
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
             base-relative decode did not reproduce the publisher's values.
     """
-    header = header or read_header(data)
-    return header, decode_entries(header, file_entries(data), base=base, on_device=on_device)
+    layout = raw_header(data)  # parsed once for the header and the entries (a packed one is inflated once)
+    header = header or header_of(layout)
+    return header, decode_entries(header, file_entries(data, layout), base=base, on_device=on_device)
 
 
-def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+def file_entries(data: bytes | bytearray | memoryview, layout: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Every safetensors entry of a file, checked to tile its data area exactly.
 
     A writable buffer (a store's :meth:`~deltasync.stores.Store.get_buffer` of a
@@ -68,13 +70,14 @@ def file_entries(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor
     straight into the replica's weights, one copy in all. Read-only bytes are
     copied by safetensors (torch refuses to view them).
 
-    A packed (format 4) delta's entries are its streams, as format 3 lists them.
+    A packed (format 4) delta's entries are its streams, as format 3 lists them. ``layout`` is
+    :func:`~deltasync.format.header.raw_header` of ``data``, when the caller already has it.
 
     Raises:
         `DeltaFormatError`: a malformed header, or entries that overlap, leave gaps or overrun the file.
     """
     view = memoryview(data).cast("B")
-    layout = raw_header(view)
+    layout = layout if layout is not None else raw_header(view)
     if view.readonly and packed(layout):
         view = memoryview(bytearray(view))  # a delta: a few MB, viewed entry by entry below
     elif view.readonly:
