@@ -152,11 +152,12 @@ def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     (:func:`~deltasync.format.layout.pack`): the same data area under one
     ``streams`` entry; through safetensors itself it is written as format 3.
     """
+    packed = metadata.get("format_version") == str(PACKED_VERSION)
     if sys.byteorder != "little" or any(
         t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" or not t.is_contiguous()
         for t in tensors.values()
     ):
-        if metadata.get("format_version") == str(PACKED_VERSION):  # the plain header says the same
+        if packed:  # the plain header says the same
             metadata = {**metadata, "format_version": str(PACKED_VERSION - 1)}
         data = safetensors.torch.save(tensors, metadata=metadata)
         head = 8 + struct.unpack("<Q", data[:8])[0]
@@ -175,7 +176,7 @@ def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
         }
         buffers.append(data)
         offset += data.size
-    if metadata.get("format_version") == str(PACKED_VERSION):
+    if packed:
         header = pack(metadata, {name: info for name, info in header.items() if name != "__metadata__"})
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
