@@ -805,3 +805,13 @@ def test_edits_inside_a_packed_table_raise_only_typed_errors(data: st.DataObject
         decode(forged, base=receiver.lookup, header=header)
     except DeltaSyncError:
         pass
+
+
+def test_a_tensor_renamed_inside_a_packed_table_is_a_typed_refusal_even_before_validate() -> None:
+    """A packed table renames a tensor's streams with it (a flipped literal in its zstd frame can do that), so
+    the decoder asks the receiver for a tensor it does not hold: a TensorMismatch, never a KeyError."""
+    data, base, _ = make_delta()
+    renamed = _with_table_text(data, lambda t: t.replace('"norm.weight"', '"norm.weighz"'))
+    assert "norm.weighz" in read_header(renamed).tensors
+    with pytest.raises(TensorMismatch, match="norm.weighz"):
+        decode(renamed, base=TorchModuleApplier(base).lookup)
