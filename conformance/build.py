@@ -24,6 +24,7 @@ and times, so it replaces the suite rather than reproducing it byte for byte.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -225,6 +227,7 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "format-3-value-blake3": blake3_case,
         "anchors-by-entries": by_entries_case,
         "format-4-packed": packed_case,
+        "format-4-table-checksum": packed_case,
     }
 
 
@@ -234,6 +237,7 @@ FROZEN = {  # written by earlier writers and kept as they are: what was written 
     2: ("format-2-blake3",),  # BLAKE3 digests for objects, headers and entries; BLAKE2b value digests
     3: ("format-3-value-blake3", "shapes-bf16-exp-rice",  # manifest schema 2: anchors by whole-object BLAKE3
         "anchors-by-entries"),  # manifest schema 3, deltas with the plain header
+    4: ("format-4-packed",),  # packed tables without a content checksum
 }
 
 
@@ -251,8 +255,9 @@ def by_entries_case(root: Path) -> None:
 
 
 def packed_case(root: Path) -> None:
-    """Format 4: every delta with the packed header; one anchor (of three files, by their headers), so a reader
-    reaches every version through the deltas."""
+    """Format 4: every delta with the packed header (its table with a content checksum since
+    ``format-4-table-checksum``); one anchor (of three files, by their headers), so a reader reaches every
+    version through the deltas."""
     weights = dtypes_model()
     write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000, part_bytes=4 << 10))
 
@@ -301,15 +306,17 @@ def broken_by_entries(out: Path, source: Path) -> None:
 # ---------------------------------------------------------------------------------------------- sharded
 
 
-def broken_packed(out: Path, source: Path) -> None:
-    """Copies of the ``format-4-packed`` case with version 2's delta damaged inside its packed header, every
-    hash recomputed: only the format's own checks can refuse them."""
+def broken_packed(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
+    """Copies of a format 4 case with version 2's delta damaged inside its packed header, every hash
+    recomputed: only the format's own checks can refuse them (those named in ``only``, or all)."""
     manifest = json.loads((source / "store" / "manifest.json").read_text())
     key = next(v["delta"][0]["key"] for v in manifest["versions"] if v["version"] == 2)
     case = json.loads((source / "case.json").read_text())
 
     def make(name: str, error: str, why: str, edit: Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]],
              after: Callable[[dict[str, Any]], None] = lambda packed: None) -> None:
+        if only is not None and name not in only:
+            return
         root = out / name
         shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(source / "store", root / "store")
@@ -341,6 +348,15 @@ def broken_packed(out: Path, source: Path) -> None:
     def plain_too(packed: dict[str, Any]) -> None:  # a reader taking either table must not see the other
         packed["__metadata__"]["tensors"] = json.dumps({})
 
+    def renamed_under_the_old_checksum(packed: dict[str, Any]) -> None:
+        """A tensor renamed with its streams (a valid table), the frame's checksum still the original's."""
+        frame = base64.b64decode(packed["__metadata__"]["tensors_zstd"])
+        table = zstandard.ZstdDecompressor().decompress(frame).decode()
+        old = next(iter(json.loads(table)))
+        edited = table.replace(f'"{old}"', f'"{old[:-1]}{"X" if old[-1] != "X" else "Y"}"')
+        forged = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(edited.encode())[:-4] + frame[-4:]
+        packed["__metadata__"]["tensors_zstd"] = base64.b64encode(forged).decode()
+
     make("packed-overlapping-streams", "DeltaFormatError",
          "the packed table places two streams over one byte and leaves another unclaimed", overlap)
     make("packed-stray-stream", "DeltaFormatError",
@@ -348,6 +364,9 @@ def broken_packed(out: Path, source: Path) -> None:
     make("packed-table-twice", "DeltaFormatError",
          "the packed header also holds a plain 'tensors' table, which a reader must not read",
          lambda header, body: (header, body), plain_too)
+    make("packed-table-checksum", "DeltaFormatError",
+         "the packed table names a tensor otherwise, its streams with it, under the original table's checksum",
+         lambda header, body: (header, body), renamed_under_the_old_checksum)
 
 
 def _unpacked(path: Path) -> tuple[dict[str, Any], bytes]:
@@ -494,8 +513,6 @@ def broken(out: Path, source: Path, suffix: str = "", only: tuple[str, ...] | No
         _rehash(store, key)
 
     def forged_value(store: Path) -> None:
-        import zstandard
-
         data = (store / key).read_bytes()
         header, body = _header(data)
         start, stop = header["big::val"]["data_offsets"]
@@ -575,7 +592,10 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(ROOT / "broken" / f"{name}-format-3", ignore_errors=True)
         broken(ROOT / "broken", ROOT / "golden" / "format-3-value-blake3", suffix="-format-3", only=only)
     if "format-4-packed" in names:
-        broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-packed")
+        only = ("packed-overlapping-streams", "packed-stray-stream", "packed-table-twice")
+        broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-packed", only=only)
+    if "format-4-table-checksum" in names:
+        broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-table-checksum", only=("packed-table-checksum",))
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

@@ -46,7 +46,7 @@ from .commit import sweep_orphans as sweep_orphans  # re-exported; defined with 
 from .diff import ChangeSet, Snapshot, diff
 from .digests import BY_ENTRIES
 from .errors import ConfigError, ConflictError, DeltaSyncError, FingerprintMismatch, StoreError
-from .format import DEFAULT_LEVEL, Window, encode_anchor_parts, encode_delta, header_ref
+from .format import DEFAULT_LEVEL, FORMAT_VERSION, PACKED_VERSION, Window, encode_anchor_parts, encode_delta, header_ref
 from .forms import Forms, smallest
 from .keys import anchor_part_key, anchor_prefix, delta_key, writer_suffix
 from .manifest import RETIRE_GRACE_S, Manifest, ObjectRef, VersionEntry
@@ -126,6 +126,8 @@ class Publisher:
         takeover (`bool`, *optional*): take the prefix over even if another writer's lease is live.
         chunk (`int`, *optional*): elements the diff compares per step, which bounds its scratch memory
             (``None``: 4 Mi elements for weights on the CPU, 32 Mi for weights on an accelerator).
+        format_version (`int`, *optional*, defaults to 4): the file format of deltas; 3 (the plain header)
+            keeps a fleet whose replicas are not yet upgraded reading them (docs/FORMAT.md, "Versions").
         store_options: passed to :func:`open_store` when ``store`` is a URL.
 
     Example:
@@ -154,13 +156,14 @@ class Publisher:
         retire_grace_s: float = RETIRE_GRACE_S,
         takeover: bool = False,
         chunk: int | None = None,
+        format_version: int = FORMAT_VERSION,
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:
         check_options(
             codec=codec, level=level, dtype=dtype, anchor_every=anchor_every, anchor_ratio=anchor_ratio,
             keep_anchors=keep_anchors, part_bytes=part_bytes, lease_s=lease_s, retire_grace_s=retire_grace_s,
-            chunk=chunk, on_publish=on_publish,
+            chunk=chunk, on_publish=on_publish, format_version=format_version,
         )
         if not isinstance(model, (torch.nn.Module, Mapping)):
             raise ConfigError(
@@ -169,7 +172,7 @@ class Publisher:
             )
         self.model = model
         self.store = open_store(store, **store_options)
-        self.codec, self.level, self.dtype, self.chunk = codec, level, dtype, chunk
+        self.codec, self.level, self.dtype, self.chunk, self.format_version = codec, level, dtype, chunk, format_version
         self.anchor_every, self.anchor_ratio, self.part_bytes = anchor_every, anchor_ratio, part_bytes
         self.on_publish = on_publish
         self.stats = PublisherStats()
@@ -182,14 +185,11 @@ class Publisher:
         self._uploads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deltasync-upload")
         self._inflight: Any = None
         self._pending_step: int | None = None
-        self._dirty = False
+        self._dirty = self._closed = False
         self._fatal: DeltaSyncError | None = None
         self._last_error: BaseException | None = None
-        self._coalesced_now = 0
-        self._anchor_version = 0
-        self._since_anchor = 0
+        self._coalesced_now = self._anchor_version = self._since_anchor = 0
         self._form: str | None = None  # the form of the newest committed version (sources with several)
-        self._closed = False
         self._opened = threading.Event()  # set by the worker once the first open has finished
         # What the model is, read now: the worker opens the prefix later, when the caller's tensors
         # may be sharded again (FSDP1 gathers them only around each publish).
@@ -378,7 +378,7 @@ class Publisher:
     def _encode_delta(self, changes: ChangeSet, version: int) -> bytes:
         return encode_delta(
             changes, version=version, base_version=version - 1, codec=self.codec, level=self.level,
-            model=self._specs, rows=self._rows,
+            model=self._specs, rows=self._rows, packed=self.format_version >= PACKED_VERSION,
         )
 
     def _commit_first_anchor(self, snapshot: Snapshot, step: int | None, started: float, t_diff: float) -> None:

@@ -6,7 +6,9 @@ tests also prove that what was once written stays readable.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from deltasync import Subscriber, errors
 from deltasync.appliers import TorchModuleApplier
@@ -121,6 +124,18 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
     assert {m["schema"] for m in manifests.values()} == {1, 2, 3}
     assert any("sha256" in r for r in refs) and any("blake3" in r and "blake3" in r["header"] for r in refs)
     assert any("blake3-entries" in r and "blake3-entries" in r["header"] for r in refs)
+
+
+def test_packed_tables_appear_with_and_without_their_content_checksum() -> None:
+    """Current writers checksum a packed table; the first format 4 writers did not, and both stay readable."""
+    seen = set()
+    for path in (ROOT / "golden").rglob("*.safetensors"):
+        data = path.read_bytes()
+        header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
+        table = header["__metadata__"].get("tensors_zstd")
+        if table is not None:
+            seen.add(zstandard.get_frame_parameters(base64.b64decode(table)).has_checksum)
+    assert seen == {True, False}
 
 
 def test_special_values_reach_the_reader_bit_exactly() -> None:

@@ -760,6 +760,37 @@ class TestPackedHeader:
         with pytest.raises(DeltaFormatError):
             decode(forged, base=TorchModuleApplier(base).lookup)
 
+    def test_the_table_carries_a_checksum_that_catches_a_table_edited_into_another_valid_one(self) -> None:
+        """A tensor renamed together with its streams is a valid table; only the frame's checksum tells."""
+        data, base, _ = make_delta()
+        frame = base64.b64decode(self._meta(data)["__metadata__"]["tensors_zstd"])
+        assert zstandard.get_frame_parameters(frame).has_checksum
+        old = next(iter(json.loads(raw_header(data)["__metadata__"]["tensors"])))
+        new = old[:-1] + ("X" if old[-1] != "X" else "Y")  # the same length
+
+        def rename_keeping_the_checksum(text: str) -> str:
+            header = json.loads(text)
+            table = zstandard.ZstdDecompressor().decompress(frame).decode()
+            edited = zstandard.ZstdCompressor(write_checksum=True).compress(table.replace(f'"{old}"', f'"{new}"').encode())
+            header["__metadata__"]["tensors_zstd"] = base64.b64encode(edited[:-4] + frame[-4:]).decode()
+            return json.dumps(header, separators=(",", ":"))
+
+        with pytest.raises(DeltaFormatError, match="checksum"):
+            read_header(_with_header_text(data, rename_keeping_the_checksum))
+        with pytest.raises(DeltaFormatError, match="checksum"):
+            decode(_with_header_text(data, rename_keeping_the_checksum), base=TorchModuleApplier(base).lookup)
+
+    def test_a_table_without_a_checksum_is_read_as_earlier_writers_wrote_it(self) -> None:
+        data, base, target = make_delta()
+        unchecked = _with_table_text(data, lambda text: text)  # packed again with no checksum
+        frame = base64.b64decode(self._meta(unchecked)["__metadata__"]["tensors_zstd"])
+        assert not zstandard.get_frame_parameters(frame).has_checksum
+        assert read_header(unchecked).tensors == read_header(data).tensors
+        replica = {k: v.clone() for k, v in base.items()}
+        applier = TorchModuleApplier(replica)
+        applier.apply(decode(unchecked, base=applier.lookup)[1])
+        assert all(torch.equal(replica[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
+
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),

@@ -435,6 +435,8 @@ class TestConstructorArguments:
             ({"keep_anchors": 0}, "keep_anchors"),
             ({"dtype": torch.int8}, "dtype"),
             ({"on_publish": 3}, "on_publish"),
+            ({"format_version": 2}, "format_version"),
+            ({"format_version": "4"}, "format_version"),
         ],
     )
     def test_publisher(self, tmp_path: Path, options: dict[str, Any], argument: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+import safetensors.torch
 import torch
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.errors import ConflictError, FingerprintMismatch, IntegrityError, StoreError, VersionError
+from deltasync.format import raw_header, read_header
 from deltasync.manifest import MANIFEST_KEY, Manifest
 from deltasync.publisher import Publisher
 from deltasync.stores import MemoryStore, Store
@@ -39,6 +41,14 @@ def replica() -> tuple[torch.nn.Module, TorchModuleApplier]:
     return r, TorchModuleApplier(r)
 
 
+def _following(name: str) -> tuple[MemoryStore, torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, Subscriber]:
+    """A store, a trainer with its optimizer, and a replica with a subscriber to the store."""
+    trainer = model()
+    rep, applier = replica()
+    store = MemoryStore(name)
+    return store, trainer, torch.optim.AdamW(trainer.parameters(), lr=1e-4), rep, Subscriber(store, applier)
+
+
 class TestEndToEnd:
     def test_every_backend_ends_bit_exact(self, store: Store) -> None:
         trainer = model()
@@ -53,6 +63,24 @@ class TestEndToEnd:
                 assert_exact(trainer, rep)
             assert sub.version == pub.version
         assert len(list(store.list("acks/"))) == 1
+
+    def test_a_writer_pinned_to_format_3_is_followed_across_the_upgrade(self) -> None:
+        """A fleet mid-upgrade: deltas of format 3 (plain header) while old replicas remain, then format 4."""
+        store, trainer, opt, rep, sub = _following("pinned")
+        for pinned in (3, 4):
+            with Publisher(trainer, store, format_version=pinned, anchor_every=1000) as pub:
+                for step in range(3):
+                    train(trainer, opt)
+                    pub.publish(step, block=True)
+                    pub.flush()
+                    assert sub.update() is not None
+                    assert_exact(trainer, rep)
+            entries = Manifest.from_bytes(store.get(MANIFEST_KEY)).versions
+            deltas = [store.get(ref.key) for e in entries[-3:] for ref in e.delta]
+            assert len(deltas) == 2 and {read_header(d).format_version for d in deltas} == {pinned}
+            if pinned == 3:  # what readers before format 4 need: a plain table and an entry per stream
+                assert all("tensors" in raw_header(d)["__metadata__"] for d in deltas)
+                assert all(any(k.endswith("::idx") for k in safetensors.torch.load(d)) for d in deltas)
 
     @pytest.mark.parametrize("stage", [False, True], ids=["one-by-one", "staged"])
     @pytest.mark.parametrize("own_dtype", [False, True], ids=["bf16", "fp16-fp32"])
@@ -349,11 +377,8 @@ class TestLifecycle:
             sub.update()
 
     def test_failed_apply_forces_an_anchor(self) -> None:
-        store = MemoryStore("apply-fails")
-        trainer = model()
-        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
-        rep, applier = replica()
-        sub = Subscriber(store, applier)
+        store, trainer, opt, rep, sub = _following("apply-fails")
+        applier = sub.applier
         with Publisher(trainer, store, anchor_every=1000, anchor_ratio=100.0) as pub:
             pub.publish(0, block=True)
             pub.flush()

@@ -49,6 +49,7 @@ def encode_delta(
     workers: int | None = None,
     model: Sequence[TensorSpec] | None = None,
     rows: Mapping[str, Window] | None = None,
+    packed: bool = True,
 ) -> bytes:
     """Serialize a change set as a delta file.
 
@@ -66,6 +67,8 @@ def encode_delta(
         rows (`Mapping[str, Window]`, *optional*): for a shard: per tensor, the dim-0 rows (or
             flat :class:`Elements`) of the full tensor that ``changes`` was computed on (its specs
             are the slices).
+        packed (`bool`, *optional*, defaults to `True`): the packed header of format 4; `False` writes
+            format 3's plain header, which readers before format 4 read (a ``raw`` delta always has it).
 
     Returns:
         `bytes`: one safetensors file.
@@ -101,7 +104,8 @@ def encode_delta(
             entry_digest([parts[key] for key in sorted(parts)]),
         )
     # A raw delta keeps the plain header: any safetensors reader can apply it (docs/FORMAT.md, "raw").
-    meta = metadata_strings("delta", version, base_version, specs, entries, packed=codec != "raw")
+    packed = packed and codec != "raw"
+    meta = metadata_strings("delta", version, base_version, specs, entries, packed=packed)
     return serialize(tensors, meta)
 
 

@@ -118,7 +118,11 @@ def pack(metadata: dict[str, str], layout: dict[str, dict[str, Any]]) -> dict[st
             raise ValueError(f"entry {key!r} belongs to no tensor of the table: a packed header cannot carry it")
         table[name]["parts"][part] = info
     body = max((info["data_offsets"][1] for info in layout.values()), default=0)
-    frame = zstandard.ZstdCompressor(level=_LEVEL).compress(json.dumps(table, separators=(",", ":")).encode())
+    # The frame's content checksum (4 bytes) lets the format itself catch a damaged table, which could
+    # otherwise inflate to another valid table (a tensor renamed with its streams, say).
+    frame = zstandard.ZstdCompressor(level=_LEVEL, write_checksum=True).compress(
+        json.dumps(table, separators=(",", ":")).encode()
+    )
     meta = {k: v for k, v in metadata.items() if k != "tensors"}
     meta[TABLE] = base64.b64encode(frame).decode("ascii")
     return {"__metadata__": meta, STREAMS: {"dtype": "U8", "shape": [body], "data_offsets": [0, body]}}
@@ -177,7 +181,8 @@ def packed(header: dict[str, Any]) -> bool:
 
 
 def _inflate(text: str) -> bytes:
-    """The table's JSON bytes: strict base64 of one zstd frame declaring at most :data:`MAX_HEADER_BYTES`."""
+    """The table's JSON bytes: strict base64 of one zstd frame declaring at most :data:`MAX_HEADER_BYTES`,
+    its content checksum verified where it has one (libzstd checks it unless told not to)."""
     try:
         frame = base64.b64decode(text, validate=True)
         declared = zstandard.frame_content_size(frame)
