@@ -771,7 +771,8 @@ class TestPackedHeader:
         def rename_keeping_the_checksum(text: str) -> str:
             header = json.loads(text)
             table = zstandard.ZstdDecompressor().decompress(frame).decode()
-            edited = zstandard.ZstdCompressor(write_checksum=True).compress(table.replace(f'"{old}"', f'"{new}"').encode())
+            renamed = table.replace(f'"{old}"', f'"{new}"').encode()
+            edited = zstandard.ZstdCompressor(write_checksum=True).compress(renamed)
             header["__metadata__"]["tensors_zstd"] = base64.b64encode(edited[:-4] + frame[-4:]).decode()
             return json.dumps(header, separators=(",", ":"))
 
