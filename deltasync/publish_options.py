@@ -24,7 +24,6 @@ ANCHOR_RATIO = 1.0  # deltas since the last anchor may add up to one anchor: cat
 KEEP_ANCHORS = 2  # the newest anchor and the one before, so a replica mid-catch-up is never stranded
 PART_BYTES = 64 << 20  # anchor part size: parts encode, hash, upload and verify in parallel (see device_sync.py)
 LEASE_S = 600.0  # a writer that stops publishing for this long can be taken over
-WRITTEN_VERSIONS = (ANCHOR_VERSION, FORMAT_VERSION)  # deltas of format 3 keep replicas before format 4 reading
 
 ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCLevel, ZSTD_maxCLevel)
 
@@ -52,9 +51,7 @@ def check_options(
     check_number("anchor_ratio", anchor_ratio)
     check_number("lease_s", lease_s)
     check_number("retire_grace_s", retire_grace_s, zero_ok=True)
-    if format_version not in WRITTEN_VERSIONS or isinstance(format_version, bool):
-        raise ConfigError(f"format_version must be one of {list(WRITTEN_VERSIONS)} (deltas of format "
-                          f"{ANCHOR_VERSION} for replicas that read no later one), got {format_version!r}",
-                          argument="format_version")
+    # Deltas of format 3 (ANCHOR_VERSION) keep replicas of the release before format 4 reading.
+    check_int("format_version", format_version, low=ANCHOR_VERSION, high=FORMAT_VERSION)
     if on_publish is not None and not callable(on_publish):
         raise ConfigError(f"on_publish must be callable, got {type(on_publish).__name__}", argument="on_publish")

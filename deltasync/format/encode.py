@@ -104,8 +104,7 @@ def encode_delta(
             entry_digest([parts[key] for key in sorted(parts)]),
         )
     # A raw delta keeps the plain header: any safetensors reader can apply it (docs/FORMAT.md, "raw").
-    packed = packed and codec != "raw"
-    meta = metadata_strings("delta", version, base_version, specs, entries, packed=packed)
+    meta = metadata_strings("delta", version, base_version, specs, entries, packed=packed and codec != "raw")
     return serialize(tensors, meta)
 
 
