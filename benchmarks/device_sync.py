@@ -17,7 +17,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | decode, vLLM rank | what the worker of a one-rank vLLM engine does with a version's files: ``decode_here`` against its weights read through its index map, on the device path (as on a GPU; forced on a CPU), and its host waits | the decode floor |
 | apply, vLLM rank | that worker's write of the patches (still on the device) through its map, and its read-back of 256 samples per tensor | the apply floor |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
-| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights |
+| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights; and for the periodic anchor and the load, the store floor: the same parts' bytes BLAKE3-hashed and written to new files on the same filesystem, four side by side / mapped and hashed on the fetch threads, then copied into the weights (no deltasync code) |
 
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -187,10 +188,69 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return {n: t for n, t in out.items() if t.is_floating_point()}
 
 
-def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.device, **options: Any) -> dict[str, Any]:
+def store_floor(sizes: list[int], source: torch.Tensor, target: torch.Tensor, root: Path) -> dict[str, float]:
+    """Seconds this machine takes, with no deltasync code, to do what no anchor in parts of ``sizes`` can skip.
+
+    "publish": each part's bytes (from ``source``, host memory) hashed with BLAKE3 and written to a new
+    fsynced file under ``root``, the parts side by side on the publisher's upload threads; "load": each file
+    mapped privately and hashed on the subscriber's fetch threads, then, once every part is verified, copied
+    into ``target`` (on the replica's device) part by part. What is left between a stage and this floor is
+    deltasync's own: headers, per-tensor digests, the pools' hand-offs, the checks against the replica.
+    """
+    import mmap
+
+    import blake3
+
+    from deltasync.subscriber import FETCH_WORKERS
+
+    host, dest = source.view(torch.uint8).numpy(), target.view(-1).view(torch.uint8)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    scratch = Path(tempfile.mkdtemp(prefix="floor-", dir=root))
+
+    def write(i: int) -> None:
+        part = memoryview(host[starts[i] : starts[i] + sizes[i]])
+        blake3.blake3(part, max_threads=blake3.blake3.AUTO).digest()
+        fd = os.open(scratch / f"part-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            while part:
+                part = part[os.write(fd, part) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def verify(i: int) -> mmap.mmap:
+        with open(scratch / f"part-{i}", "rb") as f:
+            mapped = mmap.mmap(f.fileno(), sizes[i], flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        blake3.blake3(mapped, max_threads=blake3.blake3.AUTO).digest()
+        return mapped
+
+    try:
+        with ThreadPoolExecutor(4) as uploads:  # as many as a publisher's upload threads
+            started = time.perf_counter()
+            list(uploads.map(write, range(len(sizes))))
+            publish = time.perf_counter() - started
+        with ThreadPoolExecutor(FETCH_WORKERS) as fetches:
+            started = time.perf_counter()
+            parts = list(fetches.map(verify, range(len(sizes))))
+            for start, part in zip(starts, parts):
+                dest[start : start + len(part)].copy_(torch.frombuffer(part, dtype=torch.uint8))
+            sync(target.device)
+            load = time.perf_counter() - started
+            del part
+            fetches.submit(parts.clear)  # unmapped off the clock, as a subscriber does
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"publish": publish, "load": load}
+
+
+def anchor_round(
+    masters: dict[str, torch.Tensor], root: Path, device: torch.device,
+    floor_buffers: tuple[torch.Tensor, torch.Tensor],
+    **options: Any,
+) -> dict[str, Any]:
     """Anchors into a fresh local store and a fresh replica: seconds to publish the first (its snapshot
     allocated and captured on the way) and a periodic one (from the snapshot kept since), to load the
-    latter; bytes and files."""
+    latter; bytes and files; and the :func:`store_floor` of the periodic anchor's parts."""
     store = Path(tempfile.mkdtemp(prefix="anchor-", dir=root)) / "run"
     infos: list[Any] = []
     first = next(iter(masters.values())).view(-1)
@@ -214,12 +274,13 @@ def anchor_round(masters: dict[str, torch.Tensor], root: Path, device: torch.dev
             loads[mapped] = time.perf_counter() - started
             assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
                        for n, t in masters.items())
-        files = len([p for p in (store / "anchors").iterdir() if "0000000001" in p.name])
+        parts = [p for p in (store / "anchors").iterdir() if "0000000001" in p.name]
+        floor = store_floor([p.stat().st_size for p in parts], *floor_buffers, root)
     finally:
         first[0] = kept
         shutil.rmtree(store.parent, ignore_errors=True)
     return {"publish": publish_s, "periodic": periodic.t_total, "load": loads[True], "load, copied": loads[False],
-            "bytes": periodic.bytes, "files": files}
+            "bytes": periodic.bytes, "files": len(parts), "floor": floor}
 
 
 def profile_stage(
@@ -302,12 +363,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
         flat_dst = torch.empty_like(flat_src)
         copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
+        # The store floor's bytes: as many as the anchor's parts (the weights and small headers), memory touched.
+        floor_bytes = weight_bytes + (16 << 20)
+        floor_buffers = (torch.ones(floor_bytes, dtype=torch.uint8),
+                         torch.ones(floor_bytes, dtype=torch.uint8, device=device))
         # Anchor publish and load against one copy_ of all weights, each round into a fresh store:
         # in parts of the default size, and in one part (the alternative).
         for label, options in (("", {}), (", one part", {"part_bytes": 1 << 62})):
             # One untimed round first: a fresh process pays once for thread pools and the allocator's first
             # large blocks, which a trainer or replica that runs for hours does not.
-            rounds = [anchor_round(model.masters, root, device, **options) for _ in range(args.repeats + 1)][1:]
+            rounds = [anchor_round(model.masters, root, device, floor_buffers, **options)
+                      for _ in range(args.repeats + 1)][1:]
             nbytes = rounds[0]["bytes"]
             if not label:
                 anchor_bytes = nbytes  # the default layout's, reported below
@@ -321,6 +387,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "files": rounds[0]["files"],
                     "spread": [{"median": median, "min": min(times), "max": max(times)}, copy_all],
                 }
+                if stage in ("periodic", "load"):  # what the machine's filesystem and the digest cost alone
+                    floors = [r["floor"]["publish" if stage == "periodic" else "load"] for r in rounds]
+                    rows[f"anchor {name}{label}"]["floor_store"] = statistics.median(floors)
+                    rows[f"anchor {name}{label}"]["spread"].append(
+                        {"median": statistics.median(floors), "min": min(floors), "max": max(floors)})
 
         # One step's change set: diff, encode, decode, apply, each against its floor.
         snapshot = Snapshot.capture(model.masters)
@@ -537,6 +608,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         extra = ""
         if "gb_per_s" in row:
             extra = f"{row['gb_per_s']:.2f} GB/s, {row['files']} file(s)"
+            if "floor_store" in row:
+                store = row["floor_store"]
+                extra += f"; store floor {1e3 * store:.1f} ms ({row['deltasync'] / store:.2f}x)"
         elif "chunks" in row:
             extra = f"{row['host_waits']} host waits for {row['tensors']} tensors in {row['chunks']} chunks"
         elif "parts" in row:

@@ -39,8 +39,10 @@ from typing import Any, cast
 from torch.profiler import record_function
 
 from .acks import ACK_TTL_S, read_acks, safe_replica_id, write_ack
+from .codec import Decoded
 from .errors import ConfigError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, VersionError
 from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher, FileApplier
+from .format import Header
 from .keys import MANIFEST_KEY
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
 from .options import check_int, check_number
@@ -361,6 +363,9 @@ class Subscriber:
         t_decode = t_apply = 0.0
         previous = self._held(manifest)
         nbytes = 0
+        blobs: list[bytes | memoryview | Fetched] = []
+        headers: list[Header] = []
+        decoded: dict[str, Decoded] | None = None
         for step in plan.steps:
             with record_function("deltasync.fetch"):  # named ranges in a torch profiler's trace
                 blobs = [futures[ref.key].result() for ref in step.objects]
@@ -389,6 +394,10 @@ class Subscriber:
             t_apply += time.perf_counter() - t1
             t_decode += t1 - t0
             self._set_version(manifest.run_id, step.version)
+        # The weights are written: the fetched objects go back on a download thread, which then holds them alone.
+        held = [futures, blobs, headers, decoded]
+        del futures, blobs, headers, decoded
+        self._fetcher.release(held)
         entry = manifest.entry(plan.target)
         info = UpdateInfo(
             version=plan.target,

@@ -400,7 +400,9 @@ tensors, fp32 masters, 1 % changed) and, in the same run on the same device, the
 implementation can skip: `ne` + `nonzero` for the diff, decompressing and reading the base at every changed
 index for the decode, `index_copy_` for the apply, a copy of every weight for the whole update and the anchors.
 A bar is the stage's median time divided by its floor's: 1 is the floor, and below 1 the stage beat the bare
-pass (the diff's chunks stay in cache where the bare pass does not). One panel per device with results, one
+pass (the diff's chunks stay in cache where the bare pass does not). A black mark on an anchor's bar is its store
+floor, where the run has one: the same parts BLAKE3-hashed and written to new files on the store's filesystem, or
+mapped, hashed and copied into the weights, with no deltasync code. One panel per device with results, one
 for a real run's steps (`--checkpoints`: SmolLM2-135M's published weights at steps 33 to 40 of the payload run,
 272 tensors, about 1 % changed per step), and the GPU runs: 1B parameters on an H200, with this release's device
 paths (`cuda`) and before them (`cuda_before`). Rows measured on code that has changed since are left out of
@@ -427,6 +429,13 @@ for ax, (device, sync) in zip(axes.flat, runs.items()):
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
     for y, (n, r) in enumerate(zip(names, ratio)):
         ax.text(r, y, f" {1e3 * sync['stages'][n]['deltasync']:.0f} ms", va="center", fontsize=7)
+    # An anchor's store floor: the same parts hashed and written / mapped, hashed and copied, no deltasync code.
+    stores = [(y, sync["stages"][n]["floor_store"] / sync["stages"][n]["floor"])
+              for y, n in enumerate(names) if sync["stages"][n].get("floor_store")]
+    if stores:
+        ax.scatter([r for _, r in stores], [y for y, _ in stores], marker="|", s=220, color="k", zorder=3,
+                   label="store floor (filesystem + BLAKE3)")
+        ax.legend(fontsize=7, loc="center right")
 fig.tight_layout()
 fig.savefig(FIGURES / "stages_vs_floor.png", dpi=130, bbox_inches="tight")
 plt.show()

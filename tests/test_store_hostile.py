@@ -171,19 +171,36 @@ class TestMapped:
         assert not mapped(buffer) and not buffer.readonly and bytes(buffer) == data
         assert "the nfs4 filesystem mounted at" in filesystem_of(root)
 
-    def test_anchor_loads_exactly_through_a_mapping(self, tmp_path: Path) -> None:
+    def test_anchor_loads_exactly_through_a_mapping(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The parts are mapped, and unmapped by a download thread after the weights are written: the
+        update does not wait for the kernel to take the mappings down."""
+        import gc
+
         import torch
 
         from deltasync import Publisher, Subscriber
         from deltasync.appliers import TorchModuleApplier
+        from deltasync.stores import local as local_module
 
         weights = {f"w{i}": torch.randn(1 << 19, dtype=torch.float32) for i in range(3)}  # 1 MiB of bf16 each
         with Publisher(weights, str(tmp_path / "run"), part_bytes=MAP_BYTES) as publisher:
             publisher.publish(0, block=True)
         replica = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in weights.items()}
-        with mock.patch("mmap.mmap", wraps=mmap.mmap) as mapping:
-            Subscriber(str(tmp_path / "run"), TorchModuleApplier(replica)).update()
+        gc.collect()  # mappings of earlier tests are gone
+        unmapped_on: list[str] = []
+        count = local_module._unmapped
+
+        def unmapped() -> None:
+            unmapped_on.append(threading.current_thread().name)
+            count()
+
+        monkeypatch.setattr(local_module, "_unmapped", unmapped)
+        with mock.patch("mmap.mmap", wraps=mmap.mmap) as mapping, \
+                Subscriber(str(tmp_path / "run"), TorchModuleApplier(replica)) as subscriber:
+            subscriber.update()
         assert mapping.call_count >= 3  # every part of the anchor
+        assert len(unmapped_on) == mapping.call_count  # none outlives the subscriber
+        assert all(name.startswith("deltasync-fetch") for name in unmapped_on), unmapped_on
         for name, tensor in weights.items():
             assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16))
 
