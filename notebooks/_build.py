@@ -434,8 +434,8 @@ for ax, (device, sync) in zip(axes.flat, runs.items()):
               for y, n in enumerate(names) if sync["stages"][n].get("floor_store")]
     if stores:
         ax.scatter([r for _, r in stores], [y for y, _ in stores], marker="|", s=220, color="k", zorder=3,
-                   label="store floor (filesystem + BLAKE3)")
-        ax.legend(fontsize=7, loc="center right")
+                   label="store floor")
+        ax.legend(fontsize=7, loc="lower right")
 fig.tight_layout()
 fig.savefig(FIGURES / "stages_vs_floor.png", dpi=130, bbox_inches="tight")
 plt.show()

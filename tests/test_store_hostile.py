@@ -101,6 +101,19 @@ def mapped(buffer: Any) -> bool:
     return isinstance(memoryview(buffer).obj, mmap.mmap)
 
 
+def vm_flags(address: int) -> set[str]:
+    """The kernel's flags of this process's mapping holding ``address`` (``/proc/self/smaps``' VmFlags)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 class TestMapped:
     """Large objects on a local filesystem are mapped, privately; elsewhere they are read (``stores.mounts``)."""
 
@@ -143,6 +156,26 @@ class TestMapped:
         del held[0]
         gc.collect()
         assert mapped(local.get_buffer("big"))
+
+    def test_large_reads_land_in_memory_advised_huge_pages(self, tmp_path: Path) -> None:
+        """A large object read, not mapped (a network filesystem, the cache), lands in memory the kernel is
+        asked to back with 2 MiB pages, so the read faults once per 2 MiB instead of once per 4 KiB."""
+        import numpy as np
+
+        from deltasync.stores.buffers import HUGE_BYTES
+
+        store = LocalStore(tmp_path / "root", map_reads=False)
+        data = os.urandom(HUGE_BYTES + 7)
+        store.put("big", data)
+        store.put("small", data[:MAP_BYTES])
+        big, small = store.get_buffer("big"), store.get_buffer("small")
+        assert bytes(big) == data and bytes(small) == data[:MAP_BYTES]
+        assert not big.readonly and not small.readonly
+        if not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists():
+            return
+        address = np.frombuffer(big, dtype=np.uint8).ctypes.data
+        assert "hg" in vm_flags(address)  # advised: the kernel backs it in huge pages where its mode allows
+        assert "hg" not in vm_flags(np.frombuffer(small, dtype=np.uint8).ctypes.data)
 
     def test_unlinked_or_replaced_object_stays_readable(self, local: LocalStore) -> None:
         first, second = os.urandom(MAP_BYTES), os.urandom(MAP_BYTES)

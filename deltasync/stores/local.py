@@ -23,8 +23,8 @@ Large reads: :meth:`LocalStore.get_buffer` maps an object of :data:`MAP_BYTES` o
 more (a private mapping, so a decoder writing into it never writes the file)
 where the root is on a local filesystem, instead of copying it into fresh memory:
 an anchor's parts are hashed and written into the replica straight from the page
-cache, twice as fast. Network and unknown filesystems are read by copying;
-:mod:`deltasync.stores.mounts` says why.
+cache, twice as fast. Network and unknown filesystems are read by copying, into
+memory in huge pages (:mod:`deltasync.stores.buffers`); :mod:`deltasync.stores.mounts` says why.
 
 Full disks: a write that fails (``ENOSPC`` from ``write`` or ``fsync``) removes its
 temporary file and raises :class:`~deltasync.errors.StoreError` saying the disk is
@@ -50,10 +50,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import numpy as np
-
 from ..errors import ConfigError, ObjectNotFound, PreconditionFailed, StoreError
 from .base import URL_FORMS, ObjectInfo, PutMode, Store, check_key, check_limit, check_size
+from .buffers import fresh_buffer
 from .mounts import filesystem_of, mappable
 
 logger = logging.getLogger(__name__)
@@ -125,8 +124,9 @@ class LocalStore(Store):
         (a write to the memory never reaches the file): its bytes are read from the page
         cache where they are used, with no new memory faulted in first
         (:mod:`deltasync.stores.mounts` says when that is safe). Others are read into
-        memory that is neither zero-filled nor copied again (``readinto`` releases the
-        GIL while the kernel fills it), so parts of an anchor read side by side.
+        fresh memory, in huge pages where it is large (:mod:`deltasync.stores.buffers`),
+        and not copied again (``readinto`` releases the GIL while the kernel fills it),
+        so parts of an anchor read side by side.
         """
         return self.buffer_with_stat(key, max_bytes=max_bytes)[0]
 
@@ -145,7 +145,7 @@ class LocalStore(Store):
                 mapped = _map(f.fileno(), st.st_size, key)
                 if mapped is not None:
                     return mapped
-            view = memoryview(np.empty(st.st_size, dtype=np.uint8))
+            view = fresh_buffer(st.st_size)
             got = 0
             while got < len(view):
                 n = f.readinto(view[got:])
