@@ -130,8 +130,12 @@ class Fetcher:
     def release(self, held: list[Any]) -> None:
         """Drop ``held`` (fetched objects, and what views them) on a download thread, once the caller holds
         no other reference. Returning a large anchor's memory is work of its own (unmapping 256 MB of parts
-        takes 15-25 ms on a 2-core VM, a tenth of loading them) that an update need not wait for."""
-        self._pool.submit(held.clear)
+        takes 15-25 ms on a 2-core VM, a tenth of loading them) that an update need not wait for. Once
+        :meth:`close` has begun, the caller's thread drops them: the update it finishes stands."""
+        try:
+            self._pool.submit(held.clear)
+        except RuntimeError:  # shut down
+            held.clear()
 
     def _ranged(self, ref: ObjectRef) -> bool:
         return self.only is not None and can_read_ranges(ref)

@@ -204,6 +204,17 @@ class TestMapped:
         assert not mapped(buffer) and not buffer.readonly and bytes(buffer) == data
         assert "the nfs4 filesystem mounted at" in filesystem_of(root)
 
+    def test_parts_released_once_closing_are_dropped_by_the_caller(self, tmp_path: Path) -> None:
+        """An update that ends while its subscriber closes keeps its result: its parts go on its own thread."""
+        from deltasync.appliers import TorchModuleApplier
+        from deltasync.fetch import Fetcher
+
+        fetcher = Fetcher(LocalStore(tmp_path / "run"), TorchModuleApplier({}), workers=1)
+        fetcher.close()
+        held: list[Any] = [bytearray(MAP_BYTES)]
+        fetcher.release(held)
+        assert held == []
+
     def test_anchor_loads_exactly_through_a_mapping(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """The parts are mapped, and unmapped by a download thread after the weights are written: the
         update does not wait for the kernel to take the mappings down."""
