@@ -17,7 +17,7 @@ median of ``--repeats`` runs with the spread (min, max):
 | decode, vLLM rank | what the worker of a one-rank vLLM engine does with a version's files: ``decode_here`` against its weights read through its index map, on the device path (as on a GPU; forced on a CPU), and its host waits | the decode floor |
 | apply, vLLM rank | that worker's write of the patches (still on the device) through its map, and its read-back of 256 samples per tensor | the apply floor |
 | whole replica update | ``Subscriber.update`` from a local store (``/dev/shm`` when there is one) | copying all weights from (pinned) host memory |
-| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights; and for the periodic anchor and the load, the store floor: the same parts' bytes BLAKE3-hashed and written to new files on the same filesystem, four side by side / mapped and hashed on the fetch threads, then copied into the weights (no deltasync code) |
+| anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights; and for the periodic anchor and the load, the store floor: the same parts' bytes BLAKE3-hashed and written to new files on the same filesystem, four side by side / mapped and hashed on the fetch threads, then copied into the weights (no deltasync code; the fastest round) |
 
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` and prints the table.
@@ -389,7 +389,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 if stage in ("periodic", "load"):  # what the machine's filesystem and the digest cost alone
                     floors = [r["floor"]["publish" if stage == "periodic" else "load"] for r in rounds]
-                    rows[f"anchor {name}{label}"]["floor_store"] = statistics.median(floors)
+                    # The fastest round: a floor is a bound, and a virtual machine's writes into fresh pages
+                    # sometimes run several times slower in the kernel's copy, in any round of either.
+                    rows[f"anchor {name}{label}"]["floor_store"] = min(floors)
                     rows[f"anchor {name}{label}"]["spread"].append(
                         {"median": statistics.median(floors), "min": min(floors), "max": max(floors)})
 

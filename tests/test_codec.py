@@ -766,6 +766,26 @@ class TestKernels:
         expected = bits_view(weights.t().contiguous().to(published)).view(-1)[index]
         assert np.array_equal(transposed.lookup("w", index.numpy()), expected.numpy())
 
+    @pytest.mark.parametrize("density", [0.001, 0.01, 0.04, 0.2, 0.9])
+    def test_sparse_reads_hinted_ahead_match_index_select(self, density: float) -> None:
+        """Below 5 % density ``take`` hints each read 64 changes ahead; at any density it reads exactly
+        ``index_select``'s elements, and an index out of range (inside the hinted window or past it) is
+        refused, never hinted or read."""
+        from deltasync.codec import _gather
+        from deltasync.codec.kernels import take
+
+        assert _gather.take is _gather._take_hinted  # this numba lowers the hint (else the plain gather is taken)
+        gen = torch.Generator().manual_seed(1)
+        flat = torch.randint(-(2**15), 2**15, (200_000,), dtype=torch.int16, generator=gen)
+        index = torch.randperm(flat.numel(), generator=gen)[: int(density * flat.numel())].sort().values
+        picked = take(flat.numpy(), index.numpy())
+        assert picked is not None and np.array_equal(picked, flat.index_select(0, index).numpy())
+        for bad in (flat.numel(), 2**62, -1):
+            for at in (0, _gather.AHEAD // 2, index.numel() - 1):
+                hostile = index.numpy().copy()
+                hostile[at] = bad
+                assert take(flat.numpy(), hostile) is None
+
     def test_a_replica_reads_its_weights_where_they_are_now(self) -> None:
         """A CPU replica's reads see its weights as they are now: written in place, or replaced
         (``param.data = ...``, with new storage or another dtype); nothing read earlier is served again."""
@@ -807,6 +827,22 @@ class TestKernels:
         np.testing.assert_array_equal(got, indices)
         if indices.size:  # one element fewer and the last index is out of range
             assert gap_indices(raw, indices.size, params["iw"], params["big"], int(indices[-1])) is None
+
+    @pytest.mark.parametrize(("gap", "width"), [(30, 1), (300, 2), (70_000, 4)])
+    def test_gap_indices_of_every_width(self, gap: int, width: int) -> None:
+        """Each gap width has its own compiled loop: each rebuilds its indices, escapes included."""
+        from deltasync.codec.compact import encode_indices
+        from deltasync.codec.kernels import gap_indices
+
+        gaps = np.full(500, gap, dtype=np.int64)
+        gaps[::7] = 2**40  # escapes at every width
+        indices = np.cumsum(gaps + 1) - 1
+        blob, params = encode_indices(indices, level=1)
+        assert params["iw"] == width and params["big"] == gaps[::7].size
+        raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob.tobytes()), dtype=np.uint8)
+        numel = int(indices[-1]) + 1
+        np.testing.assert_array_equal(gap_indices(raw, indices.size, width, params["big"], numel), indices)
+        assert gap_indices(raw, indices.size, width, params["big"], numel - 1) is None  # the last one out of range
 
     @pytest.mark.parametrize("width", [2, 4])
     def test_add_steps_match_the_numpy_decoder(self, width: int) -> None:

@@ -7,35 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
-OK, BAD_ESCAPES, OUT_OF_RANGE = 0, 1, 2
-"""What a kernel returns: done, an escape count that differs from the params, an index or rank out of range."""
+from ._gather import take as take  # the kernels' namespace, as :mod:`.kernels` reads it
+from ._numba import BAD_ESCAPES, OK, OUT_OF_RANGE, inline, jit
 
 
-def _jit(fn: Any) -> Any:
-    """Compile ``fn`` without the GIL, cached on disk where numba finds a writable place for it (beside this
-    file, ``NUMBA_CACHE_DIR``, the user's cache); where it finds none, compiled again in each process."""
-    try:
-        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True, boundscheck=False)(fn)
-
-
-@_jit
-def take(src: Any, indices: Any, out: Any) -> int:
-    size = src.size
-    for j in range(indices.size):
-        at = indices[j]
-        if at < 0 or at >= size:
-            return OUT_OF_RANGE
-        out[j] = src[at]
-    return OK
-
-
-@_jit
-def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
+@inline
+def _gaps(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
     escape = (1 << (8 * iw)) - 1
     side = nnz * iw
     used = 0
@@ -61,7 +40,16 @@ def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> 
     return OK if used == big else BAD_ESCAPES
 
 
-@_jit
+@jit
+def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
+    if iw == 1:
+        return _gaps(raw, nnz, 1, big, numel, out)
+    if iw == 2:
+        return _gaps(raw, nnz, 2, big, numel, out)
+    return _gaps(raw, nnz, 4, big, numel, out) if iw == 4 else _gaps(raw, nnz, iw, big, numel, out)
+
+
+@jit
 def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
     starts = np.zeros(257, np.int64)  # per exponent byte: its first rank in the exponent order
     for i in range(bits.size):
@@ -71,8 +59,8 @@ def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
     return starts
 
 
-@_jit
-def add_steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any) -> int:
+@inline
+def _steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any) -> int:
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
     slots = class_starts(base, mask, mantissa)  # per exponent byte: its first slot in the encoder's order
@@ -89,7 +77,14 @@ def add_steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any
     return OK
 
 
-@_jit
+@jit
+def add_steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any) -> int:
+    if width == 2:  # bf16, fp16
+        return _steps(raw, nnz, 2, mantissa, base, out)
+    return _steps(raw, nnz, 4, mantissa, base, out) if width == 4 else _steps(raw, nnz, width, mantissa, base, out)
+
+
+@jit
 def exponent_ranks(bits: Any, mantissa: int, starts: Any, indices: Any, out: Any) -> int:
     mask = (np.int64(1) << (8 * bits.itemsize)) - 1
     seen = np.zeros(256, np.int64)
@@ -103,7 +98,7 @@ def exponent_ranks(bits: Any, mantissa: int, starts: Any, indices: Any, out: Any
     return OK if k == indices.size else OUT_OF_RANGE
 
 
-@_jit
+@jit
 def exponent_positions(bits: Any, mantissa: int, starts: Any, ranks: Any, where: Any, slot: Any) -> int:
     mask = (np.int64(1) << (8 * bits.itemsize)) - 1
     # Per exponent byte: its next change in rank order, and how many of its elements come before that
@@ -133,7 +128,7 @@ def exponent_positions(bits: Any, mantissa: int, starts: Any, ranks: Any, where:
     return OK if k == ranks.size else OUT_OF_RANGE
 
 
-@_jit
+@jit
 def gap_counts(indices: Any, counts: Any) -> int:
     prev = np.int64(-1)
     for j in range(indices.size):
@@ -150,7 +145,7 @@ def gap_counts(indices: Any, counts: Any) -> int:
     return OK
 
 
-@_jit
+@jit
 def gap_planes(indices: Any, iw: int, out: Any) -> int:
     nnz = indices.size
     escape = (np.int64(1) << (8 * iw)) - 1
@@ -172,7 +167,7 @@ def gap_planes(indices: Any, iw: int, out: Any) -> int:
     return OK
 
 
-@_jit
+@jit
 def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int:
     nnz = base.size
     mask = (np.int64(1) << (8 * width)) - 1
@@ -206,7 +201,7 @@ RICE_PROBLEMS = {
 }
 
 
-@_jit
+@jit
 def _put(out: Any, bit: int, value: int, count: int) -> int:
     for i in range(count):
         if (value >> i) & 1:
@@ -215,7 +210,7 @@ def _put(out: Any, bit: int, value: int, count: int) -> int:
     return bit + count
 
 
-@_jit
+@jit
 def _put_rice(out: Any, bit: int, value: int, k: int) -> int:
     for i in range(value >> k):  # the quotient, in unary
         at = bit + i
@@ -223,7 +218,7 @@ def _put_rice(out: Any, bit: int, value: int, k: int) -> int:
     return _put(out, bit + (value >> k) + 1, value & ((np.int64(1) << k) - 1), k)
 
 
-@_jit
+@jit
 def _get(raw: Any, bit: int, count: int) -> int:
     value = np.int64(0)
     for i in range(count):
@@ -232,7 +227,7 @@ def _get(raw: Any, bit: int, count: int) -> int:
     return value
 
 
-@_jit
+@jit
 def _rice_cost(values: Any, count: int, k: int) -> int:
     bits = np.int64(count) * (1 + k)
     for i in range(count):
@@ -240,7 +235,7 @@ def _rice_cost(values: Any, count: int, k: int) -> int:
     return bits
 
 
-@_jit
+@jit
 def _best_rice(values: Any, count: int, kmax: int) -> Any:
     best, best_k = _rice_cost(values, count, 0), 0
     for k in range(1, kmax + 1):
@@ -250,7 +245,7 @@ def _best_rice(values: Any, count: int, kmax: int) -> Any:
     return best, best_k
 
 
-@_jit
+@jit
 def _bit_length(value: int) -> int:
     n = 0
     while value >> n:
@@ -258,7 +253,7 @@ def _bit_length(value: int) -> int:
     return n
 
 
-@_jit
+@jit
 def _listing(ranks: Any, lo: int, hi: int, start: int, size: int, unchanged: bool, gaps: Any) -> int:
     """The gaps of one class's listed positions (changed ones, or with ``unchanged`` the others), closed by the
     gap to ``size``; returns how many."""
@@ -279,7 +274,7 @@ def _listing(ranks: Any, lo: int, hi: int, start: int, size: int, unchanged: boo
     return m + 1
 
 
-@_jit
+@jit
 def rice_rank_stream(ranks: Any, starts: Any) -> Any:
     modes = np.zeros(256, np.int64)
     ks = np.zeros(256, np.int64)
@@ -315,7 +310,7 @@ def rice_rank_stream(ranks: Any, starts: Any) -> Any:
     return out
 
 
-@_jit
+@jit
 def _get_unary(raw: Any, bit: int, total: int, limit: int) -> Any:
     """A unary quotient at ``bit``: ``(quotient, next bit)``; quotient -1 past the stream, -2 above ``limit``."""
     q = 0
@@ -330,7 +325,7 @@ def _get_unary(raw: Any, bit: int, total: int, limit: int) -> Any:
             return -2, bit
 
 
-@_jit
+@jit
 def _get_rice(raw: Any, bit: int, total: int, k: int, limit: int) -> Any:
     """The Rice code with parameter ``k`` at ``bit``: ``(value, next bit)``; value -1 past the stream, -2 for a
     quotient above ``limit``."""
@@ -342,7 +337,7 @@ def _get_rice(raw: Any, bit: int, total: int, k: int, limit: int) -> Any:
     return q << k | _get(raw, bit, k), bit + k
 
 
-@_jit
+@jit
 def _stream_end(raw: Any, bit: int) -> int:
     """Whether ``bit`` ends the stream: fewer than 8 bits left, all of them zero."""
     total = raw.size * 8
@@ -351,7 +346,7 @@ def _stream_end(raw: Any, bit: int) -> int:
     return OK
 
 
-@_jit
+@jit
 def rice_ranks(raw: Any, starts: Any, nnz: int, out: Any, changed: Any) -> int:
     total = np.int64(raw.size) * 8
     bit, m = np.int64(0), 0
@@ -399,7 +394,7 @@ def rice_ranks(raw: Any, starts: Any, nnz: int, out: Any, changed: Any) -> int:
     return _stream_end(raw, bit) if m == nnz else BAD_COUNT
 
 
-@_jit
+@jit
 def rice_word_stream(words: Any, changed: Any, width: int) -> Any:
     fields = np.zeros(256, np.int64)
     total, j = np.int64(0), 0
@@ -432,7 +427,7 @@ def rice_word_stream(words: Any, changed: Any, width: int) -> Any:
     return out
 
 
-@_jit
+@jit
 def rice_words(raw: Any, changed: Any, width: int, out: Any) -> int:
     total = np.int64(raw.size) * 8
     top = (np.int64(1) << width) - 1
