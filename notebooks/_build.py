@@ -429,12 +429,13 @@ for ax, (device, sync) in zip(axes.flat, runs.items()):
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
     for y, (n, r) in enumerate(zip(names, ratio)):
         ax.text(r, y, f" {1e3 * sync['stages'][n]['deltasync']:.0f} ms", va="center", fontsize=7)
-    # An anchor's store floor: the same parts hashed and written / mapped, hashed and copied, no deltasync code.
+    # An anchor's store floor: the same parts hashed and written / mapped, hashed and copied, no deltasync code
+    # (the fastest round: a bound).
     stores = [(y, sync["stages"][n]["floor_store"] / sync["stages"][n]["floor"])
               for y, n in enumerate(names) if sync["stages"][n].get("floor_store")]
     if stores:
         ax.scatter([r for _, r in stores], [y for y, _ in stores], marker="|", s=220, color="k", zorder=3,
-                   label="store floor")
+                   label="store floor (fastest round)")
         ax.legend(fontsize=7, loc="lower right")
 fig.tight_layout()
 fig.savefig(FIGURES / "stages_vs_floor.png", dpi=130, bbox_inches="tight")
