@@ -682,6 +682,26 @@ class TestPackedHeader:
             applier.apply(patches)
             assert all(torch.equal(replica[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
 
+    def test_the_table_is_parsed_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A reader parses the inflated table once (unpacking it), not again for the tensor entries; a plain
+        header's ``tensors`` text is still parsed where it is read."""
+        import deltasync.format.header as header_module
+        import deltasync.format.layout as layout_module
+        from deltasync.jsonio import load_json
+
+        parsed: list[str] = []
+
+        def counting(data: bytes, *, what: str, error: type[Exception]) -> Any:
+            parsed.append(what)
+            return load_json(data, what=what, error=error)
+
+        data = make_delta()[0]
+        plain = self._plain(data)
+        monkeypatch.setattr(header_module, "load_json", counting)
+        monkeypatch.setattr(layout_module, "load_json", counting)
+        assert read_header(data).tensors == read_header(plain).tensors
+        assert parsed == ["safetensors header", "the packed tensor table", "safetensors header", "metadata 'tensors'"]
+
     def test_the_header_shrinks(self) -> None:
         """272 tensors like SmolLM2-135M's, one changed element each: the packed header is a fraction of the plain."""
         weights = {f"model.layers.{i // 9}.mlp.part_{i % 9}.weight": torch.randn(64) for i in range(272)}

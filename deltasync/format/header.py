@@ -21,7 +21,7 @@ from .. import digests
 from ..errors import DeltaFormatError, FingerprintMismatch
 from ..jsonio import load_json
 from ..tensors import TensorSpec, dtype_from_name, fingerprint
-from .layout import MAX_HEADER_BYTES, PACKED_VERSION, SAFETENSORS_DTYPES, entry_span, tiled_spans, unpack
+from .layout import MAX_HEADER_BYTES, PACKED_VERSION, SAFETENSORS_DTYPES, InflatedTable, entry_span, tiled_spans, unpack
 
 __all__ = [
     "FORMAT_NAME",
@@ -305,7 +305,11 @@ def _parse_header(meta: dict[str, Any]) -> Header:
     base = _integer(meta, "base_version") if kind == "delta" else None
     if version < 0 or (base is not None and not 0 <= base < version):
         raise DeltaFormatError(f"bad version {version} / base {base}")
-    raw_entries = load_json(str(meta["tensors"]).encode(), what="metadata 'tensors'", error=DeltaFormatError)
+    text = meta["tensors"]
+    raw_entries = (  # a packed file's table was parsed as it was inflated (the same strict reader)
+        text.table if isinstance(text, InflatedTable)
+        else load_json(str(text).encode(), what="metadata 'tensors'", error=DeltaFormatError)
+    )
     if not isinstance(raw_entries, dict):
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}

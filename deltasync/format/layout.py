@@ -32,7 +32,7 @@ from ..jsonio import load_json
 
 __all__ = [
     "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "PACKED_VERSION", "STREAMS", "TABLE",
-    "entry_span", "tiled_spans", "pack", "unpack", "packed",
+    "InflatedTable", "entry_span", "tiled_spans", "pack", "unpack", "packed",
 ]
 
 # Metadata of a 100k-tensor model is ~20 MB; beyond this a header (or a packed table) is hostile.
@@ -128,6 +128,14 @@ def pack(metadata: dict[str, str], layout: dict[str, dict[str, Any]]) -> dict[st
     return {"__metadata__": meta, STREAMS: {"dtype": "U8", "shape": [body], "data_offsets": [0, body]}}
 
 
+class InflatedTable(str):
+    """A packed file's table as :func:`unpack` inflated it (the text format 3 keeps under ``tensors``), with
+    ``table``, what that text parses to: a header reader takes it instead of parsing the text again (0.8 ms
+    of a SmolLM2 delta's 229 entries)."""
+
+    table: dict[str, Any]
+
+
 def unpack(raw: dict[str, Any]) -> dict[str, Any]:
     """The header format 3 would have written for a packed file's safetensors header ``raw`` (its metadata
     with the plain ``tensors`` table and ``format_version`` 4, and an entry per stream); any other header as
@@ -170,7 +178,8 @@ def unpack(raw: dict[str, Any]) -> dict[str, Any]:
     if end != body:  # the streams end where the one entry does, so the file's data area is that entry
         raise DeltaFormatError(f"the packed streams end at byte {end}, entry {STREAMS!r} at {body}")
     plain = {k: v for k, v in meta.items() if k != TABLE}
-    plain["tensors"] = text.decode()  # as inflated: its entries' `parts` are fields a table reader ignores
+    plain["tensors"] = inflated = InflatedTable(text.decode())  # its entries' `parts`: fields a reader ignores
+    inflated.table = table
     return {"__metadata__": plain, **out}
 
 
