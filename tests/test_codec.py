@@ -79,6 +79,41 @@ def test_roundtrip_is_bit_exact(codec: str, case: tuple[str, np.ndarray, np.ndar
     roundtrip(*case, codec=codec)
 
 
+def test_a_cpu_replica_is_read_in_place_by_the_rebuild() -> None:
+    """A replica's tensors held whole on the CPU in the published dtype are read inside the compiled rebuild
+    (its lookup's ``flat``), never through ``read``; a transposed or wider tensor is read through ``read``. The
+    patches are bit for bit those of a plain lookup function, which decodes tensor by tensor."""
+    from deltasync.codec.base import FlatLookup
+
+    gen = torch.Generator().manual_seed(3)
+    old = {"a": torch.randn(64, 300, generator=gen), "b": torch.randn(300, 64, generator=gen),
+           "c": torch.randn(5000, generator=gen)}
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 50]] += 0.05
+    data = encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0)
+    held = {"a": old["a"].to(torch.bfloat16), "b": old["b"].to(torch.bfloat16).t().contiguous().t(), "c": old["c"]}
+    replica = TorchModuleApplier(held)  # "b" transposed, "c" held in fp32: both read through read
+    read_for = []
+
+    def read(name: str, indices: np.ndarray) -> np.ndarray:
+        read_for.append(name)
+        return replica.lookup.read(name, indices)
+
+    _, patches = decode(data, base=FlatLookup(read, replica.lookup.flat))
+    assert sorted(read_for) == ["b", "c"]
+    assert replica.lookup.flat("a") is not None
+    assert replica.lookup.flat("b") is None and replica.lookup.flat("c") is None
+    _, alone = decode(data, base=lambda name, indices: replica.lookup(name, indices))
+    for name, patch in alone.items():
+        np.testing.assert_array_equal(patches[name].indices, patch.indices)
+        np.testing.assert_array_equal(patches[name].values, patch.values)
+    replica.apply(patches)
+    for name, t in new.items():
+        assert torch.equal(held[name].to(torch.bfloat16).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("codec", ["compact", "compact-abs"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=scenarios(), offset=st.sampled_from([0, 5]))
@@ -768,13 +803,14 @@ class TestKernels:
 
     @pytest.mark.parametrize("density", [0.001, 0.01, 0.04, 0.2, 0.9])
     def test_sparse_reads_hinted_ahead_match_index_select(self, density: float) -> None:
-        """Below 5 % density ``take`` hints each read 64 changes ahead; at any density it reads exactly
+        """Below 5 % density ``take`` hints each read ``AHEAD`` changes ahead; at any density it reads exactly
         ``index_select``'s elements, and an index out of range (inside the hinted window or past it) is
         refused, never hinted or read."""
         from deltasync.codec import _gather
         from deltasync.codec.kernels import take
 
         assert _gather.take is _gather._take_hinted  # this numba lowers the hint (else the plain gather is taken)
+        assert _gather.hint is _gather._prefetch  # and so does every kernel that hints its reads
         gen = torch.Generator().manual_seed(1)
         flat = torch.randint(-(2**15), 2**15, (200_000,), dtype=torch.int16, generator=gen)
         index = torch.randperm(flat.numel(), generator=gen)[: int(density * flat.numel())].sort().values
@@ -863,6 +899,77 @@ class TestKernels:
         got = add_steps(planes(words), base)
         np.testing.assert_array_equal(got, new)
         assert got.dtype == base.dtype
+
+    @settings(max_examples=80, deadline=None)
+    @given(
+        numel=st.integers(1, 30_000),
+        density=st.sampled_from([0.0005, 0.01, 0.05, 0.3, 1.0]),
+        width=st.sampled_from([2, 4]),
+        spread=st.sampled_from([0, 300, 70_000]),
+        offset=st.integers(0, 50),
+        seed=st.integers(0, 2**16),
+    )
+    def test_rebuild_is_gap_indices_then_take_then_add_steps(
+        self, numel: int, density: float, width: int, spread: int, offset: int, seed: int
+    ) -> None:
+        """The one-call rebuild of a ``compact`` tensor gives exactly what its three kernels give in turn, at
+        every density (hinted or not), value width, gap width (escapes included) and shard offset."""
+        from deltasync.codec.compact import SIGNED, encode_indices
+        from deltasync.codec.kernels import add_steps, gap_indices, rebuild, step_payload, take
+
+        rng = np.random.default_rng(seed)
+        count = max(1, int(density * numel))
+        indices = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+        if spread and count > 1:  # gaps that need 2 or 4 bytes, or escapes: a wider tensor
+            indices = indices + np.arange(count, dtype=np.int64) * spread
+            numel = int(indices[-1]) + 1 + int(rng.integers(0, 3))
+        info = np.iinfo(SIGNED[width])
+        src = rng.integers(info.min, info.max, numel + offset + int(rng.integers(0, 5)), dtype=SIGNED[width],
+                           endpoint=True)
+        base = src[offset + indices]
+        new = (base.astype(np.int64) + rng.integers(-3, 4, count)).astype(SIGNED[width])  # wraps modulo 2**bits
+        blob, params = encode_indices(indices, level=1)
+        idx = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob.tobytes()), dtype=np.uint8)
+        val = step_payload(new, base)
+        expected_indices = gap_indices(idx, count, params["iw"], params["big"], numel)
+        assert expected_indices is not None
+        expected = add_steps(val, take(src[offset:], expected_indices))
+        got = rebuild(idx, count, params["iw"], params["big"], numel, val, src, offset)
+        assert got is not None
+        np.testing.assert_array_equal(got[0], indices)
+        np.testing.assert_array_equal(got[1], expected)
+        np.testing.assert_array_equal(got[1], new)
+        assert got[1].dtype == src.dtype
+        # What gap_indices refuses, and a shard that does not fit its source, are refused, never read past.
+        assert rebuild(idx, count, params["iw"], params["big"], int(indices[-1]), val, src, offset) is None
+        assert rebuild(idx, count, params["iw"], params["big"], numel, val, src, src.size - numel + 1) is None
+        assert rebuild(idx, count, params["iw"], params["big"], numel, val, src, -1) is None
+        assert rebuild(idx[:-1], count, params["iw"], params["big"], numel, val, src, offset) is None
+        assert rebuild(idx, count, params["iw"], params["big"], numel, val[:-1], src, offset) is None
+
+    def test_rebuild_refuses_hostile_gap_streams(self) -> None:
+        """The rebuild's gap decoder runs ahead of its base reads: a hostile stream is refused wherever the
+        bad gap lies, before or after the reads begin."""
+        from deltasync.codec.kernels import rebuild
+
+        src = np.arange(1000, dtype=np.int16)
+        val = np.zeros(2 * 400, dtype=np.uint8)
+        narrow = np.zeros(400, np.uint8)
+        assert rebuild(narrow, 400, 1, 0, 1000, val, src)[0].tolist() == list(range(400))
+        for at in (0, 100, 399):  # an escape the params do not count, early and late
+            bad = narrow.copy()
+            bad[at] = 255
+            assert rebuild(np.concatenate([bad, np.array([5], np.uint64).view(np.uint8)]), 400, 1, 0, 1000, val,
+                           src) is None
+            assert rebuild(bad, 400, 1, 0, 1000, val, src) is None
+            far = narrow.copy()
+            far[at] = 254  # the indices then end at 653: past a tensor of 600
+            assert rebuild(far, 400, 1, 0, 654, val, src) is not None
+            assert rebuild(far, 400, 1, 0, 600, val, src) is None
+        side = np.array([2**56], np.uint64).view(np.uint8)  # a side gap past any tensor
+        escaped = narrow.copy()
+        escaped[200] = 255
+        assert rebuild(np.concatenate([escaped, side]), 400, 1, 1, 1000, val, src) is None
 
     def test_hostile_gap_streams_are_refused_not_read_past(self) -> None:
         from deltasync.codec.kernels import gap_indices

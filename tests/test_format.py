@@ -702,6 +702,30 @@ class TestPackedHeader:
         assert read_header(data).tensors == read_header(plain).tensors
         assert parsed == ["safetensors header", "the packed tensor table", "safetensors header", "metadata 'tensors'"]
 
+    def test_a_file_decoded_with_its_header_is_not_parsed_again(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A receiver that read a file's header to check it (as a subscriber does) hands it to ``decode``: the
+        header keeps where each entry lies, and nothing of the file is parsed a second time."""
+        import deltasync.format.header as header_module
+        import deltasync.format.layout as layout_module
+        from deltasync.jsonio import load_json
+
+        parsed: list[str] = []
+
+        def counting(data: bytes, *, what: str, error: type[Exception]) -> Any:
+            parsed.append(what)
+            return load_json(data, what=what, error=error)
+
+        data, base, _ = make_delta()
+        monkeypatch.setattr(header_module, "load_json", counting)
+        monkeypatch.setattr(layout_module, "load_json", counting)
+        header = read_header(data)
+        assert parsed == ["safetensors header", "the packed tensor table"]
+        replica = TorchModuleApplier({n: t.clone() for n, t in base.items()})
+        again, patches = decode(data, base=replica.lookup, header=header)
+        assert again is header and parsed == ["safetensors header", "the packed tensor table"]
+        assert decode(data, base=replica.lookup)[1].keys() == patches.keys()
+        assert parsed[2:] == ["safetensors header", "the packed tensor table"]  # without it: parsed here
+
     def test_the_header_shrinks(self) -> None:
         """272 tensors like SmolLM2-135M's, one changed element each: the packed header is a fraction of the plain."""
         weights = {f"model.layers.{i // 9}.mlp.part_{i % 9}.weight": torch.randn(64) for i in range(272)}

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..codec import Decoded
+from ..codec.base import FlatLookup
 from ..codec.device import DeviceReader
 from ..codec.kernels import take
 from ..errors import ConfigError, TensorMismatch
@@ -57,6 +58,10 @@ class TorchModuleApplier:
         self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
         accelerated = stage or any(t.device.type != "cpu" for t in self._tensors.values())
+        self.lookup = FlatLookup(self._read, self._flat)
+        """The published bit patterns these tensors hold now, read only: ``lookup(name, indices)`` at flat
+        indices, the base a delta is decoded against (``decode(data, base=applier.lookup)``); where a tensor is
+        held whole on the CPU the host decoder reads it in place (:class:`~deltasync.codec.base.FlatLookup`)."""
         self.on_device: DeviceReader | None = self if accelerated else None
         """Set (to this applier) when some tensor is on an accelerator, or with ``stage``: the decoder then
         rebuilds ``compact`` patches on the weights' device (:mod:`deltasync.codec.device`), with one host
@@ -71,15 +76,23 @@ class TorchModuleApplier:
         """
         check_header(header, self.specs, self.fingerprint)
 
-    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
+    def _read(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current published bit patterns at ``indices`` of tensor ``name`` (read only)."""
-        tensor = self._held(name)
-        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == self.specs[name].torch_dtype:
-            # Weights on the CPU in their published dtype: a compiled gather (refuses an index out of range).
-            picked = take(bits_view(tensor).view(-1).numpy(), np.ascontiguousarray(indices, dtype=np.int64))
+        flat = self._flat(name)
+        if flat is not None:  # a compiled gather (refuses an index out of range)
+            picked = take(flat, np.ascontiguousarray(indices, dtype=np.int64))
             if picked is not None:
                 return picked
+        tensor = self._held(name)
         return self.gather(name, _tensor(indices).to(tensor.device)).cpu().numpy()
+
+    def _flat(self, name: str) -> np.ndarray | None:
+        """All of tensor ``name``'s bit patterns as a flat array, where it is held on the CPU, contiguous and
+        in its published dtype (else ``None``); a view of the weights as they are now."""
+        tensor = self._held(name)
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == self.specs[name].torch_dtype:
+            return bits_view(tensor).view(-1).numpy()
+        return None
 
     def device_of(self, name: str) -> torch.device:
         """The device tensor ``name`` lives on."""

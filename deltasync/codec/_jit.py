@@ -9,30 +9,43 @@ from typing import Any
 
 import numpy as np
 
+from ._gather import AHEAD, SPARSE, hint
 from ._gather import take as take  # the kernels' namespace, as :mod:`.kernels` reads it
 from ._numba import BAD_ESCAPES, OK, OUT_OF_RANGE, inline, jit
+from ._rice_jit import RICE_PROBLEMS as RICE_PROBLEMS
+from ._rice_jit import rice_rank_stream as rice_rank_stream
+from ._rice_jit import rice_ranks as rice_ranks
+from ._rice_jit import rice_word_stream as rice_word_stream
+from ._rice_jit import rice_words as rice_words
+
+
+@inline
+def _gap(raw: Any, j: int, nnz: int, iw: int, big: int, used: int) -> Any:
+    """Gap ``j`` of the planes, an escape resolved from the side stream: ``(gap, escapes used, status)``."""
+    gap = np.int64(raw[j])
+    for p in range(1, iw):
+        gap |= np.int64(raw[j + p * nnz]) << (8 * p)
+    if gap != (1 << (8 * iw)) - 1:
+        return gap, used, OK
+    if used == big:
+        return gap, used, BAD_ESCAPES
+    at = nnz * iw + 8 * used
+    if raw[at + 7] != 0:  # 2**56 or more: past any tensor
+        return gap, used, OUT_OF_RANGE
+    gap = np.int64(0)
+    for b in range(7):
+        gap |= np.int64(raw[at + b]) << (8 * b)
+    return gap, used + 1, OK
 
 
 @inline
 def _gaps(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
-    escape = (1 << (8 * iw)) - 1
-    side = nnz * iw
     used = 0
     last = np.int64(-1)
     for j in range(nnz):
-        gap = np.int64(raw[j])
-        for p in range(1, iw):
-            gap |= np.int64(raw[j + p * nnz]) << (8 * p)
-        if gap == escape:
-            if used == big:
-                return BAD_ESCAPES
-            at = side + 8 * used
-            used += 1
-            if raw[at + 7] != 0:  # 2**56 or more: past any tensor
-                return OUT_OF_RANGE
-            gap = np.int64(0)
-            for b in range(7):
-                gap |= np.int64(raw[at + b]) << (8 * b)
+        gap, used, status = _gap(raw, j, nnz, iw, big, used)
+        if status != OK:
+            return status
         if gap >= numel - last - 1:  # the next index would be numel or more (no sum can wrap)
             return OUT_OF_RANGE
         last += gap + 1
@@ -61,9 +74,16 @@ def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
 
 @inline
 def _steps(raw: Any, nnz: int, width: int, mantissa: int, base: Any, out: Any) -> int:
+    slots = class_starts(base, (np.int64(1) << (8 * width)) - 1, mantissa)
+    return _merge(raw, nnz, width, mantissa, base, slots, out)
+
+
+@inline
+def _merge(raw: Any, nnz: int, width: int, mantissa: int, base: Any, slots: Any, out: Any) -> int:
+    """Add each change's word to its base bits; ``slots``: per exponent byte, its first slot in the encoder's
+    order (:func:`class_starts`), advanced as the loop goes."""
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
-    slots = class_starts(base, mask, mantissa)  # per exponent byte: its first slot in the encoder's order
     for j in range(nnz):
         bits = np.int64(base[j]) & mask
         e = bits >> mantissa & 0xFF
@@ -187,273 +207,52 @@ def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int
     return OK
 
 
-# ``exp-rice``: Rice-coded bit streams (docs/FORMAT.md). Bit ``i`` of a stream is bit ``i % 8`` of byte ``i // 8``;
-# a Rice code of ``v`` with parameter ``k`` is ``v >> k`` one bits, a zero bit, then the ``k`` low bits of ``v``,
-# least significant first.
-TRUNCATED, BAD_FIELD, BAD_COUNT, TRAILING = 3, 4, 5, 6
-"""More statuses of the ``exp-rice`` decoders, and what each says of the stream:"""
-RICE_PROBLEMS = {
-    TRUNCATED: "a code runs past the end of the stream",
-    BAD_FIELD: "a class field or a code is out of range",
-    BAD_COUNT: "it does not list as many changes as the entry's nnz",
-    OUT_OF_RANGE: "a position lies past the end of its exponent class",
-    TRAILING: "bytes or non-zero bits follow its last code",
-}
+@inline
+def _rebuild(
+    idx: Any, nnz: int, iw: int, big: int, numel: int, val: Any, width: int, mantissa: int, src: Any, offset: int,
+    indices: Any, out: Any,
+) -> int:
+    if offset < 0 or offset + numel > src.size:
+        return OUT_OF_RANGE
+    # The gap decoder runs AHEAD changes in front of the base reads and hints each index as it makes it (where
+    # sparse): the reads' cache misses overlap each other and the decoding. Each base read is counted by its
+    # exponent byte on the way, for the values' order.
+    slots = np.zeros(257, np.int64)
+    mask = (np.int64(1) << (8 * width)) - 1
+    hinted = nnz * SPARSE < numel
+    used = 0
+    last = np.int64(-1)
+    for t in range(nnz + AHEAD):
+        if t < nnz:
+            gap, used, status = _gap(idx, t, nnz, iw, big, used)
+            if status != OK:
+                return status
+            if gap >= numel - last - 1:
+                return OUT_OF_RANGE
+            last += gap + 1
+            indices[t] = last
+            if hinted:
+                hint(src, last + offset)
+        j = t - AHEAD
+        if j >= 0:
+            bits = src[indices[j] + offset]
+            out[j] = bits
+            slots[((np.int64(bits) & mask) >> mantissa & 0xFF) + 1] += 1
+    if used != big:
+        return BAD_ESCAPES
+    for e in range(256):
+        slots[e + 1] += slots[e]
+    return _merge(val, nnz, width, mantissa, out, slots, out)
 
 
 @jit
-def _put(out: Any, bit: int, value: int, count: int) -> int:
-    for i in range(count):
-        if (value >> i) & 1:
-            at = bit + i
-            out[at >> 3] |= np.uint8(1 << (at & 7))
-    return bit + count
-
-
-@jit
-def _put_rice(out: Any, bit: int, value: int, k: int) -> int:
-    for i in range(value >> k):  # the quotient, in unary
-        at = bit + i
-        out[at >> 3] |= np.uint8(1 << (at & 7))
-    return _put(out, bit + (value >> k) + 1, value & ((np.int64(1) << k) - 1), k)
-
-
-@jit
-def _get(raw: Any, bit: int, count: int) -> int:
-    value = np.int64(0)
-    for i in range(count):
-        at = bit + i
-        value |= np.int64((raw[at >> 3] >> (at & 7)) & 1) << i
-    return value
-
-
-@jit
-def _rice_cost(values: Any, count: int, k: int) -> int:
-    bits = np.int64(count) * (1 + k)
-    for i in range(count):
-        bits += values[i] >> k
-    return bits
-
-
-@jit
-def _best_rice(values: Any, count: int, kmax: int) -> Any:
-    best, best_k = _rice_cost(values, count, 0), 0
-    for k in range(1, kmax + 1):
-        bits = _rice_cost(values, count, k)
-        if bits < best:
-            best, best_k = bits, k
-    return best, best_k
-
-
-@jit
-def _bit_length(value: int) -> int:
-    n = 0
-    while value >> n:
-        n += 1
-    return n
-
-
-@jit
-def _listing(ranks: Any, lo: int, hi: int, start: int, size: int, unchanged: bool, gaps: Any) -> int:
-    """The gaps of one class's listed positions (changed ones, or with ``unchanged`` the others), closed by the
-    gap to ``size``; returns how many."""
-    m, prev, q = 0, np.int64(-1), lo
-    if unchanged:
-        for p in range(size):
-            if q < hi and ranks[q] - start == p:
-                q += 1
-                continue
-            gaps[m] = p - prev - 1
-            m, prev = m + 1, p
-    else:
-        for j in range(lo, hi):
-            p = ranks[j] - start
-            gaps[m] = p - prev - 1
-            m, prev = m + 1, p
-    gaps[m] = size - prev - 1
-    return m + 1
-
-
-@jit
-def rice_rank_stream(ranks: Any, starts: Any) -> Any:
-    modes = np.zeros(256, np.int64)
-    ks = np.zeros(256, np.int64)
-    ends = np.searchsorted(ranks, starts)  # class c's changes are ranks[ends[c]:ends[c + 1]]
-    gaps = np.empty(ranks.size + 2, np.int64)
-    total = np.int64(0)
-    for c in range(256):  # pass 1: each class's field and the size of its codes
-        size, changed = starts[c + 1] - starts[c], ends[c + 1] - ends[c]
-        if size == 0:
-            continue
-        total += 8
-        if changed == 0 or changed == size:
-            modes[c] = 0 if changed == 0 else 1
-            continue
-        unchanged = 2 * changed > size  # list the fewer
-        m = _listing(ranks, ends[c], ends[c + 1], starts[c], size, unchanged, gaps)
-        top = 0
-        for i in range(m):
-            top = max(top, gaps[i])
-        bits, k = _best_rice(gaps, m, _bit_length(top))
-        modes[c], ks[c] = 3 if unchanged else 2, k
-        total += bits
-    out = np.zeros((total + 7) >> 3, np.uint8)
-    bit = np.int64(0)
-    for c in range(256):  # pass 2: write them
-        if starts[c + 1] == starts[c]:
-            continue
-        bit = _put(out, bit, modes[c] | ks[c] << 2, 8)
-        if modes[c] >= 2:
-            m = _listing(ranks, ends[c], ends[c + 1], starts[c], starts[c + 1] - starts[c], modes[c] == 3, gaps)
-            for i in range(m):
-                bit = _put_rice(out, bit, gaps[i], ks[c])
-    return out
-
-
-@jit
-def _get_unary(raw: Any, bit: int, total: int, limit: int) -> Any:
-    """A unary quotient at ``bit``: ``(quotient, next bit)``; quotient -1 past the stream, -2 above ``limit``."""
-    q = 0
-    while True:
-        if bit >= total:
-            return -1, bit
-        if (raw[bit >> 3] >> (bit & 7)) & 1 == 0:
-            return q, bit + 1
-        q += 1
-        bit += 1
-        if q > limit:
-            return -2, bit
-
-
-@jit
-def _get_rice(raw: Any, bit: int, total: int, k: int, limit: int) -> Any:
-    """The Rice code with parameter ``k`` at ``bit``: ``(value, next bit)``; value -1 past the stream, -2 for a
-    quotient above ``limit``."""
-    q, bit = _get_unary(raw, bit, total, limit)
-    if q < 0:
-        return q, bit
-    if bit + k > total:
-        return -1, bit
-    return q << k | _get(raw, bit, k), bit + k
-
-
-@jit
-def _stream_end(raw: Any, bit: int) -> int:
-    """Whether ``bit`` ends the stream: fewer than 8 bits left, all of them zero."""
-    total = raw.size * 8
-    if total - bit >= 8 or (bit < total and raw[bit >> 3] >> (bit & 7) != 0):
-        return TRAILING
-    return OK
-
-
-@jit
-def rice_ranks(raw: Any, starts: Any, nnz: int, out: Any, changed: Any) -> int:
-    total = np.int64(raw.size) * 8
-    bit, m = np.int64(0), 0
-    for c in range(256):
-        size = starts[c + 1] - starts[c]
-        if size == 0:
-            continue
-        if bit + 8 > total:
-            return TRUNCATED
-        field = _get(raw, bit, 8)
-        bit += 8
-        mode, k = field & 3, field >> 2
-        first = m
-        if mode <= 1:
-            if k != 0 or (mode == 1 and m + size > nnz):
-                return BAD_FIELD if k != 0 else BAD_COUNT
-            if mode == 1:
-                for p in range(size):
-                    out[m] = starts[c] + p
-                    m += 1
-        else:
-            prev = np.int64(-1)
-            while True:
-                gap, bit = _get_rice(raw, bit, total, k, size >> k)
-                if gap < 0:
-                    return TRUNCATED if gap == -1 else BAD_FIELD
-                if gap > size - prev - 1:  # past the class (checked before the sum, which cannot wrap)
-                    return OUT_OF_RANGE
-                p = prev + gap + 1
-                if mode == 3:  # the positions strictly between two listed unchanged ones changed
-                    if m + (p - prev - 1) > nnz:
-                        return BAD_COUNT
-                    for x in range(prev + 1, p):
-                        out[m] = starts[c] + x
-                        m += 1
-                elif p < size:
-                    if m == nnz:
-                        return BAD_COUNT
-                    out[m] = starts[c] + p
-                    m += 1
-                if p == size:
-                    break
-                prev = p
-        changed[c] = m - first
-    return _stream_end(raw, bit) if m == nnz else BAD_COUNT
-
-
-@jit
-def rice_word_stream(words: Any, changed: Any, width: int) -> Any:
-    fields = np.zeros(256, np.int64)
-    total, j = np.int64(0), 0
-    for c in range(256):  # pass 1: per class, the cheaper of a fixed width and the best Rice parameter
-        count = changed[c]
-        if count == 0:
-            continue
-        top = 0
-        for i in range(j, j + count):
-            top = max(top, words[i])
-        fixed = _bit_length(top)
-        bits, k = _best_rice(words[j:j + count], count, min(fixed, width))
-        if fixed * count <= bits:
-            bits, fields[c] = fixed * count, 64 + fixed
-        else:
-            fields[c] = k
-        total += 8 + bits
-        j += count
-    out = np.zeros((total + 7) >> 3, np.uint8)
-    bit, j = np.int64(0), 0
-    for c in range(256):  # pass 2: write them
-        count = changed[c]
-        if count == 0:
-            continue
-        field = fields[c]
-        bit = _put(out, bit, field, 8)
-        for i in range(j, j + count):
-            bit = _put(out, bit, words[i], field - 64) if field >= 64 else _put_rice(out, bit, words[i], field)
-        j += count
-    return out
-
-
-@jit
-def rice_words(raw: Any, changed: Any, width: int, out: Any) -> int:
-    total = np.int64(raw.size) * 8
-    top = (np.int64(1) << width) - 1
-    bit, j = np.int64(0), 0
-    for c in range(256):
-        count = changed[c]
-        if count == 0:
-            continue
-        if bit + 8 > total:
-            return TRUNCATED
-        field = _get(raw, bit, 8)
-        bit += 8
-        if 64 <= field <= 64 + width:
-            size = field - 64
-            if bit + count * size > total:
-                return TRUNCATED
-            for i in range(j, j + count):
-                out[i] = _get(raw, bit, size)
-                bit += size
-        elif field <= width:
-            for i in range(j, j + count):
-                word, bit = _get_rice(raw, bit, total, field, top >> field)
-                if word < 0:
-                    return TRUNCATED if word == -1 else BAD_FIELD
-                out[i] = word
-        else:
-            return BAD_FIELD
-        j += count
-    return _stream_end(raw, bit)
+def rebuild(
+    idx: Any, nnz: int, iw: int, big: int, numel: int, val: Any, width: int, mantissa: int, src: Any, offset: int,
+    indices: Any, out: Any,
+) -> int:
+    if width == 2:  # bf16, fp16: the common gap widths compiled apart
+        if iw == 1:
+            return _rebuild(idx, nnz, 1, big, numel, val, 2, mantissa, src, offset, indices, out)
+        if iw == 2:
+            return _rebuild(idx, nnz, 2, big, numel, val, 2, mantissa, src, offset, indices, out)
+    return _rebuild(idx, nnz, iw, big, numel, val, width, mantissa, src, offset, indices, out)

@@ -25,11 +25,32 @@ from ..errors import CodecError
 from ..tensors import TensorSpec, bits_dtype
 
 __all__ = [
-    "Codec", "Encoded", "Decoded", "BaseLookup", "Parts", "Params", "check_part", "check_indices", "value_bits",
+    "Codec", "Encoded", "Decoded", "BaseLookup", "FlatLookup", "Parts", "Params", "check_part", "check_indices",
+    "value_bits",
 ]
 
 BaseLookup = Callable[[str, np.ndarray], np.ndarray]
 """``(tensor name, sorted flat indices) -> current bit patterns there`` on the receiver."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlatLookup:
+    """A :data:`BaseLookup` that can also hand over a tensor's current bit patterns whole.
+
+    Called as any lookup (``read``). ``flat(name)`` is all of tensor ``name``'s bit patterns as one flat host
+    array in its published width, read only, or ``None`` where the receiver does not hold them that way (on an
+    accelerator, strided, held in a wider dtype). The host decoder then reads the base itself, inside the one
+    compiled call that rebuilds a ``compact`` tensor (:func:`~deltasync.codec.kernels.rebuild`), instead of
+    calling ``read`` per tensor between its kernels.
+    """
+
+    read: BaseLookup
+    flat: Callable[[str], np.ndarray | None]
+
+    def __call__(self, name: str, indices: np.ndarray) -> np.ndarray:
+        return self.read(name, indices)
+
+
 Parts = Mapping[str, torch.Tensor]
 """One tensor's arrays in a file, by part name (the entries ``"{tensor}::{part}"``)."""
 Params = Mapping[str, Any]

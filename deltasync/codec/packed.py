@@ -1,9 +1,12 @@
 """``compact`` and ``compact-abs`` decoded on the host, a chunk of tensors per task.
 
 Each tensor's streams are rebuilt by the compiled kernels of :mod:`.kernels`
-(indices in one pass over the gap planes, values in one pass over the
-receiver's base, both without the GIL); only zstd, the read of the receiver's
-base and the BLAKE3 check run between them. Tensors are grouped into chunks of
+without the GIL. Where the receiver holds the tensor whole on the CPU (its
+lookup a :class:`~.base.FlatLookup`), one call does it all (:func:`~.kernels.rebuild`:
+the gap planes decoded a little ahead of the base reads, each read hinted, then
+the values added in one pass); elsewhere the indices, the receiver's read of its
+base and the values are three steps. Only zstd and the BLAKE3 check run between
+the calls. Tensors are grouped into chunks of
 up to :data:`CHUNK` changed elements so the decode threads take a few large
 tasks each instead of hundreds of small ones.
 
@@ -22,10 +25,10 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from ..errors import DeltaSyncError
-from .base import BaseLookup, Decoded
+from .base import BaseLookup, Decoded, FlatLookup
 from .compact import SIGNED, UNSIGNED, check_values, unplanes
 from .device import Streams
-from .kernels import add_steps, gap_indices
+from .kernels import add_steps, gap_indices, rebuild
 
 __all__ = ["CHUNK", "decode_chunk", "chunks"]
 
@@ -66,8 +69,18 @@ def decode_chunk(items: Sequence[Streams], base: BaseLookup | None) -> list[Deco
 
 def _decode(items: Sequence[Streams], base: BaseLookup | None) -> list[Decoded]:
     out = []
+    flat = base.flat if isinstance(base, FlatLookup) else None
     for item in items:
         width = item.spec.torch_dtype.itemsize
+        src = flat(item.name) if flat is not None and item.base_relative else None
+        if src is not None and src.dtype.itemsize == width:  # the base read inside the one compiled call
+            rebuilt = rebuild(np.frombuffer(item.idx, dtype=np.uint8), item.nnz, item.iw, item.big, item.spec.numel,
+                              np.frombuffer(item.val, dtype=np.uint8), src, item.offset)
+            if rebuilt is None:
+                raise _Refused
+            check_values(rebuilt[1], item.params, item.spec)
+            out.append(Decoded(*rebuilt))
+            continue
         indices = gap_indices(np.frombuffer(item.idx, dtype=np.uint8), item.nnz, item.iw, item.big, item.spec.numel)
         if indices is None:
             raise _Refused  # an escape count or an index the per-tensor decoder names

@@ -42,7 +42,8 @@ def decode(
         data (`bytes`): the whole file.
         base (`BaseLookup`, *optional*): reads the receiver's current bit patterns,
             required by base-relative codecs such as ``compact``.
-        header (`Header`, *optional*): the already parsed header, to skip re-parsing.
+        header (`Header`, *optional*): this file's header, already parsed (:func:`read_header`): neither it
+            nor the entries' layout it keeps is parsed again.
         on_device (`DeviceReader`, *optional*): a receiver whose weights are on an accelerator;
             ``compact`` and ``compact-abs`` tensors are then rebuilt there
             (:mod:`deltasync.codec.device`), their patches left on the device.
@@ -57,7 +58,8 @@ def decode(
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
             base-relative decode did not reproduce the publisher's values.
     """
-    layout = raw_header(data)  # parsed once for the header and the entries (a packed one is inflated once)
+    # Parsed once for the header and the entries (a packed one is inflated once), or not again at all.
+    layout = header.layout if header is not None and header.layout is not None else raw_header(data)
     header = header or header_of(layout)
     return header, decode_entries(header, file_entries(data, layout), base=base, on_device=on_device)
 

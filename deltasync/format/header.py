@@ -147,6 +147,9 @@ class Header:
     """Carried tensors by name; unchanged tensors are absent from deltas."""
     format_version: int = FORMAT_VERSION
     """Wire format revision."""
+    layout: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The file's safetensors header as :func:`raw_header` parsed it (where each entry lies), kept so that
+    decoding the same file does not parse it again; ``None`` for a header built otherwise."""
 
     @property
     def nnz(self) -> int:
@@ -262,7 +265,7 @@ def header_of(raw: dict[str, Any]) -> Header:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise DeltaFormatError("not a deltasync file: metadata 'format' is not 'deltasync'")
     try:
-        return _parse_header(meta)
+        return _parse_header(meta, raw)
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:  # int(inf), nested JSON
         if isinstance(exc, DeltaFormatError):
             raise
@@ -288,7 +291,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_header(meta: dict[str, Any]) -> Header:
+def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
     format_version = _integer(meta, "format_version")
     if not 1 <= format_version <= FORMAT_VERSION:
         raise DeltaFormatError(
@@ -322,7 +325,7 @@ def _parse_header(meta: dict[str, Any]) -> Header:
             raise DeltaFormatError(f"{name}: a delta lists only tensors that changed (nnz >= 1)")
     if sum(entry.local_spec.numel for entry in tensors.values()) > numel:
         raise DeltaFormatError(f"the file carries more elements than the model's numel {numel}")
-    return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version)
+    return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version, layout)
 
 
 def _parse_entry(name: str, raw: Any) -> TensorEntry:
