@@ -90,8 +90,8 @@ class TorchModuleApplier:
         """All of tensor ``name``'s bit patterns as a flat array, where it is held on the CPU, contiguous and
         in its published dtype (else ``None``); a view of the weights as they are now."""
         tensor = self._held(name)
-        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == self.specs[name].torch_dtype:
-            return bits_view(tensor).view(-1).numpy()
+        if tensor.is_cpu and tensor.is_contiguous() and tensor.dtype == self.specs[name].torch_dtype:
+            return bits_view(tensor).numpy().reshape(-1)
         return None
 
     def device_of(self, name: str) -> torch.device:

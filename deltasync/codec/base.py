@@ -151,6 +151,8 @@ def check_indices(indices: np.ndarray, spec: TensorSpec) -> np.ndarray:
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array (no copy)."""
+    if tensor.is_cpu and not tensor.requires_grad:  # a file's entry: half the cost of the general path
+        return tensor.numpy()
     return tensor.detach().cpu().numpy()
 
 

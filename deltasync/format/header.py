@@ -358,9 +358,9 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         ):
             raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
         rows = Elements(elements[0], elements[1])
-    entry = TensorEntry(spec, str(raw["codec"]), 0, {}, rows)
-    if not _is_int(nnz) or not 0 <= nnz <= entry.local_spec.numel:
-        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {entry.local_spec.numel}]")
+    carried = (spec if rows is None else slice_spec(spec, rows)).numel
+    if not _is_int(nnz) or not 0 <= nnz <= carried:
+        raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {carried}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
     digest = digests.read(raw, name, DeltaFormatError)
