@@ -70,7 +70,7 @@ def take(src: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
 
     A replica's base read at the changed elements: one cache miss per change, overlapped by hints below
     5 % density (:mod:`._gather`): on one core at 1 % of a 256 MB model, 2.8-3.0 ns per change against 5.9
-    for torch's ``index_select`` and 10.8 for the same gather without hints.
+    for torch's ``index_select`` and 8.8 for the same gather without hints.
     """
     out = np.empty(indices.size, dtype=src.dtype)
     return out if _kernels().take(src, indices, out) == 0 else None
