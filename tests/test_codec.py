@@ -920,7 +920,9 @@ class TestKernels:
         rng = np.random.default_rng(seed)
         count = max(1, int(density * numel))
         indices = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
-        if spread and count > 1:  # gaps that need 2 or 4 bytes, or escapes: a wider tensor
+        if spread and count > 1:  # gaps that need 2 or 4 bytes, or escapes: a wider tensor (of a few M at most)
+            count = min(count, 4_000_000 // spread)
+            indices = indices[np.sort(rng.choice(indices.size, count, replace=False))]
             indices = indices + np.arange(count, dtype=np.int64) * spread
             numel = int(indices[-1]) + 1 + int(rng.integers(0, 3))
         info = np.iinfo(SIGNED[width])
