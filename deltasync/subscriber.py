@@ -43,6 +43,7 @@ from .codec import Decoded
 from .errors import ConfigError, DeltaSyncError, FingerprintMismatch, ObjectNotFound, VersionError
 from .fetch import BAD_AFTER, BAD_RETRY_S, Applier, Fetcher, FileApplier
 from .format import Header
+from .gc_pause import collector_paused
 from .keys import MANIFEST_KEY
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Plan, plan_route
 from .options import check_int, check_number
@@ -370,24 +371,25 @@ class Subscriber:
             with record_function("deltasync.fetch"):  # named ranges in a torch profiler's trace
                 blobs = [futures[ref.key].result() for ref in step.objects]
             nbytes += sum(b.bytes_read if isinstance(b, Fetched) else len(b) for b in blobs)
-            t0 = time.perf_counter()
-            with record_function("deltasync.decode"):
-                headers = self._fetcher.check(step, blobs, previous_version=self._held(manifest))
-                decoded = None if _takes_files(self.applier, step.kind, blobs) else (
-                    self._fetcher.decode_checked(step, blobs, headers))
-            t1 = time.perf_counter()
-            refused = None
-            try:
-                with record_function("deltasync.apply"):
-                    if decoded is None:
-                        files = cast(list[bytes | memoryview], blobs)  # whole files (_takes_files)
-                        refused = cast(FileApplier, self.applier).apply_files(step.kind, files)
-                    else:
-                        self.applier.apply(decoded)
-            except BaseException:
-                # Weights may be partly written: only an anchor can make them whole again.
-                self._set_version(None, None)
-                raise
+            with collector_paused():  # decode and apply: no collector walks amid them (see there)
+                t0 = time.perf_counter()
+                with record_function("deltasync.decode"):
+                    headers = self._fetcher.check(step, blobs, previous_version=self._held(manifest))
+                    decoded = None if _takes_files(self.applier, step.kind, blobs) else (
+                        self._fetcher.decode_checked(step, blobs, headers))
+                t1 = time.perf_counter()
+                refused = None
+                try:
+                    with record_function("deltasync.apply"):
+                        if decoded is None:
+                            files = cast(list[bytes | memoryview], blobs)  # whole files (_takes_files)
+                            refused = cast(FileApplier, self.applier).apply_files(step.kind, files)
+                        else:
+                            self.applier.apply(decoded)
+                except BaseException:
+                    # Weights may be partly written: only an anchor can make them whole again.
+                    self._set_version(None, None)
+                    raise
             if refused is not None:  # the applier's own checks failed before any write: its version stands
                 self._fetcher.refuse(step)
                 raise refused

@@ -123,7 +123,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The signed integer dtype with the same width as ``dtype``."""
-    return BITS_BY_SIZE[torch.empty((), dtype=dtype).element_size()]
+    return BITS_BY_SIZE[dtype.itemsize]
 
 
 def bits_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "deltasync.stopping": 0,
     "deltasync.options": 0,
     "deltasync.parallel": 0,
+    "deltasync.gc_pause": 0,
     "deltasync.digests": 0,
     "deltasync.checkpoint_names": 1,
     "deltasync.tensors": 1,

@@ -21,6 +21,7 @@ from ..codec.compact import STREAM_CODECS
 from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
 from ..codec.packed import chunks, decode_chunk
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
+from ..gc_pause import collector_paused
 from ..parallel import map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
@@ -29,6 +30,7 @@ from .layout import packed
 __all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
 
+@collector_paused()  # see there: no collections of a big process's objects amid a decode
 def decode(
     data: bytes | memoryview,
     *,
@@ -106,6 +108,7 @@ def file_entries(data: bytes | bytearray | memoryview, layout: dict[str, Any] | 
     return out
 
 
+@collector_paused()
 def decode_entries(
     header: Header,
     entries: Mapping[str, torch.Tensor],

@@ -20,6 +20,7 @@ import torch
 
 from ..codec import DEFAULT_CODEC, get_codec
 from ..diff import ChangeSet, TensorChange
+from ..gc_pause import collector_paused
 from ..parallel import map_shared
 from ..tensors import TensorSpec, settle
 from .header import SAFETENSORS_DTYPES, Window, entry_digest, entry_json, metadata_strings, slice_spec, window_fits
@@ -39,6 +40,7 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
 }
 
 
+@collector_paused()  # see there: no collections of a big process's objects amid an encode
 def encode_delta(
     changes: ChangeSet,
     *,
@@ -208,6 +210,7 @@ def encode_anchor(
     return b"".join(encode_anchor_parts(source, version=version, model=model, rows=rows))
 
 
+@collector_paused()
 def encode_anchor_parts(
     source: Mapping[str, torch.Tensor],
     *,

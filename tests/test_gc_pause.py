@@ -1,0 +1,149 @@
+"""The cycle collector is held off while versions are encoded, decoded and applied, and only then."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deltasync.appliers import TorchModuleApplier
+from deltasync.codec import Decoded
+from deltasync.diff import Snapshot, diff
+from deltasync.errors import DeltaFormatError
+from deltasync.format import decode, encode_anchor_parts, encode_delta
+from deltasync.gc_pause import collector_paused
+from deltasync.publisher import Publisher
+from deltasync.stores import MemoryStore
+from deltasync.subscriber import Subscriber
+
+
+@pytest.fixture(autouse=True)
+def collector_on() -> Iterator[None]:
+    """Every test starts with the collector on and leaves it as the process had it."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def weights(tensors: int = 12, size: int = 4096, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(size, generator=gen) * 0.02 for i in range(tensors)}
+
+
+def stepped(masters: dict[str, torch.Tensor], density: float = 0.02) -> None:
+    """Move ``density`` of every tensor's elements by one bf16 ulp."""
+    gen = torch.Generator().manual_seed(1)
+    for tensor in masters.values():
+        where = torch.randperm(tensor.numel(), generator=gen)[: int(density * tensor.numel())]
+        bits = tensor[where].to(torch.bfloat16).view(torch.int16) + 1
+        tensor[where] = bits.view(torch.bfloat16).float()
+
+
+class TestCollectorPaused:
+    def test_nested_holders_turn_it_back_on_when_the_last_leaves(self) -> None:
+        with collector_paused():
+            assert not gc.isenabled()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+
+    def test_a_process_that_runs_without_the_collector_keeps_it_off(self) -> None:
+        gc.disable()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+
+    def test_an_error_inside_still_turns_it_back_on(self) -> None:
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("boom")
+        assert gc.isenabled()
+
+    def test_overlapping_threads_leave_it_on_after_the_last(self) -> None:
+        inside, leave = threading.Barrier(4), threading.Event()
+        seen: list[bool] = []
+
+        def hold() -> None:
+            with collector_paused():
+                inside.wait()
+                leave.wait()
+                seen.append(gc.isenabled())
+
+        threads = [threading.Thread(target=hold) for _ in range(3)]
+        for t in threads:
+            t.start()
+        inside.wait()  # all three hold it
+        assert not gc.isenabled()
+        leave.set()
+        for t in threads:
+            t.join()
+        assert seen == [False, False, False] and gc.isenabled()
+
+
+class TestWhereItHolds:
+    def test_decode_runs_without_the_collector_and_makes_no_cycles(self) -> None:
+        masters = weights()
+        replica = {n: t.to(torch.bfloat16) for n, t in masters.items()}
+        snapshot = Snapshot.capture(masters)
+        stepped(masters)
+        data = encode_delta(diff(snapshot, masters), version=1, base_version=0)
+        during: list[bool] = []
+        held = {n: t.view(torch.int16).numpy() for n, t in replica.items()}
+
+        def base(name: str, indices: np.ndarray) -> np.ndarray:  # a plain lookup: called per tensor
+            during.append(gc.isenabled())
+            return held[name][indices]
+
+        decode(data, base=base)
+        gc.collect()
+        _, patches = decode(data, base=base)
+        assert gc.collect() == 0  # what the decode made, reference counting freed
+        assert during and not any(during) and gc.isenabled()
+        applier = TorchModuleApplier(replica)
+        applier.apply(patches)
+        for name, tensor in masters.items():
+            assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+
+    def test_encoding_makes_no_cycles_and_leaves_the_collector_on(self) -> None:
+        masters = weights()
+        snapshot = Snapshot.capture(masters)
+        stepped(masters)
+        changes = diff(snapshot, masters)
+        encode_delta(changes, version=1, base_version=0)
+        encode_anchor_parts(masters, version=0)
+        gc.collect()
+        encode_delta(changes, version=1, base_version=0)
+        encode_anchor_parts(masters, version=0)
+        assert gc.collect() == 0 and gc.isenabled()
+
+    def test_a_refused_file_leaves_the_collector_on(self) -> None:
+        with pytest.raises(DeltaFormatError):
+            decode(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+        assert gc.isenabled()
+
+    def test_a_replica_applies_without_the_collector(self) -> None:
+        masters = weights(tensors=4)
+        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
+        during: list[bool] = []
+
+        class Recording(TorchModuleApplier):
+            def apply(self, decoded: Mapping[str, Decoded]) -> Any:
+                during.append(gc.isenabled())
+                return super().apply(decoded)
+
+        store = MemoryStore("gc")
+        with Publisher(masters, store, anchor_every=10) as publisher:
+            publisher.publish(0, block=True)
+            stepped(masters)
+            publisher.publish(1, block=True)
+        subscriber = Subscriber(store, Recording(replica))
+        assert subscriber.update() is not None
+        assert during and not any(during) and gc.isenabled()
+        for name, tensor in masters.items():
+            assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
