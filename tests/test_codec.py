@@ -727,6 +727,7 @@ def test_chunked_host_decode_gives_each_codecs_own_patches(
     from deltasync.format.decode import file_entries
 
     monkeypatch.setattr(packed, "CHUNK", chunk)
+    monkeypatch.setattr(packed, "TENSOR_COST", 0)  # chunks cut by changes alone: a few tensors each at 300
     base = {f"t{i}": torch.from_numpy(b.copy()).view(DTYPES[d][0]) for i, (d, b, _) in enumerate(cases)}
     target = {f"t{i}": torch.from_numpy(t.copy()).view(DTYPES[d][0]) for i, (d, _, t) in enumerate(cases)}
     data = encode_delta(diff(Snapshot.capture(base, dtype=None), target), version=5, base_version=4, codec=codec)
@@ -769,9 +770,23 @@ def test_chunks_group_one_kind_in_file_order_up_to_the_chunk_size(monkeypatch: p
     from deltasync.codec import packed
 
     monkeypatch.setattr(packed, "CHUNK", 100)
+    monkeypatch.setattr(packed, "TENSOR_COST", 10)
     sizes = [40, 40, 40, 500, 10, 10]
     kinds = ["a", "b", "a", "a", "a", "b"]
     assert packed.chunks(sizes, kinds) == [[0, 2], [1, 5], [3], [4]]
+    assert packed.work([40, 40]) == 100
+
+
+def test_chunks_count_each_tensors_fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many small tensors fill a chunk by their fixed cost, not their few changes: a chunk of them is not
+    taken for a light one when the threads' shares are dealt."""
+    from deltasync.codec import packed
+
+    monkeypatch.setattr(packed, "CHUNK", 100)
+    monkeypatch.setattr(packed, "TENSOR_COST", 10)
+    assert packed.chunks([1] * 12, ["a"] * 12) == [list(range(9)), [9, 10, 11]]
+    monkeypatch.setattr(packed, "TENSOR_COST", 0)
+    assert packed.chunks([1] * 12, ["a"] * 12) == [list(range(12))]
 
 
 class TestKernels:

@@ -7,8 +7,9 @@ the gap planes decoded a little ahead of the base reads, each read hinted, then
 the values added in one pass); elsewhere the indices, the receiver's read of its
 base and the values are three steps. Only zstd and the BLAKE3 check run between
 the calls. Tensors are grouped into chunks of
-up to :data:`CHUNK` changed elements so the decode threads take a few large
-tasks each instead of hundreds of small ones.
+up to :data:`CHUNK` of work (changed elements, and :data:`TENSOR_COST` for each
+tensor) so the decode threads take a few large, evenly weighed tasks each
+instead of hundreds of small ones.
 
 The checks are the per-tensor decoder's: escape counts, indices in bounds, the
 base lookup's shape, every value digest. A chunk that fails any of them is
@@ -30,29 +31,41 @@ from .compact import SIGNED, UNSIGNED, check_values, unplanes
 from .device import Streams
 from .kernels import add_steps, gap_indices, rebuild
 
-__all__ = ["CHUNK", "decode_chunk", "chunks"]
+__all__ = ["CHUNK", "TENSOR_COST", "decode_chunk", "chunks", "work"]
 
 CHUNK = 1 << 18
-"""Changed elements per chunk (per task of the decode threads): 13 tensors of 20K changes each in
-``device_sync``."""
+"""Work per chunk (per task of the decode threads), in changed elements with :data:`TENSOR_COST` added for
+each tensor: 12 tensors of 20K changes each in ``device_sync``."""
+
+TENSOR_COST = 3000
+"""A tensor's fixed cost in a decode, in changed elements: about 28 us of Python, zstd and digest calls (a
+delta of 1000 tensors of 20 changes each, one thread, a 2-core AMD EPYC), against about 10 ns a change
+(SmolLM2's steps). Counted when chunks are cut and dealt to the threads, so that a chunk of many small tensors
+is not taken for a light one: SmolLM2's first two threads took 9.3 and 15.3 ms for their shares without it."""
 
 
 class _Refused(Exception):
     """A check failed somewhere in the chunk: decode it tensor by tensor for the exact error."""
 
 
+def work(sizes: Sequence[int]) -> int:
+    """What tensors of ``sizes`` changed elements cost to decode, in changed elements."""
+    return sum(sizes) + TENSOR_COST * len(sizes)
+
+
 def chunks(sizes: Sequence[int], kinds: Sequence[Hashable]) -> list[list[int]]:
     """Positions grouped into chunks of one kind (``kinds``: what may share a chunk), in file order, of up to
-    :data:`CHUNK` changed elements each (``sizes``; a larger tensor is a chunk of its own)."""
+    :data:`CHUNK` of :func:`work` each (``sizes``: changed elements; a larger tensor is a chunk of its own)."""
     runs: list[list[int]] = []
-    open_run: dict[Hashable, tuple[list[int], int]] = {}  # per kind: the run being filled, and its changes
+    open_run: dict[Hashable, tuple[list[int], int]] = {}  # per kind: the run being filled, and its work
     for k, (size, kind) in enumerate(zip(sizes, kinds)):
         run, filled = open_run.get(kind, ([], 0))
-        if not run or filled + size > CHUNK:
+        cost = size + TENSOR_COST
+        if not run or filled + cost > CHUNK:
             run, filled = [], 0
             runs.append(run)
         run.append(k)
-        open_run[kind] = (run, filled + size)
+        open_run[kind] = (run, filled + cost)
     return runs
 
 
