@@ -79,20 +79,25 @@ def test_roundtrip_is_bit_exact(codec: str, case: tuple[str, np.ndarray, np.ndar
     roundtrip(*case, codec=codec)
 
 
-def test_a_cpu_replica_is_read_in_place_by_the_rebuild() -> None:
-    """A replica's tensors held whole on the CPU in the published dtype are read inside the compiled rebuild
-    (its lookup's ``flat``), never through ``read``; a transposed or wider tensor is read through ``read``. The
-    patches are bit for bit those of a plain lookup function, which decodes tensor by tensor."""
-    from deltasync.codec.base import FlatLookup
-
-    gen = torch.Generator().manual_seed(3)
+def three_tensors_stepped(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bytes]:
+    """Three fp32 tensors, the same with 2 % of each moved, and the delta between them."""
+    gen = torch.Generator().manual_seed(seed)
     old = {"a": torch.randn(64, 300, generator=gen), "b": torch.randn(300, 64, generator=gen),
            "c": torch.randn(5000, generator=gen)}
     new = {n: t.clone() for n, t in old.items()}
     for t in new.values():
         flat = t.view(-1)
         flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 50]] += 0.05
-    data = encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0)
+    return old, new, encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0)
+
+
+def test_a_cpu_replica_is_read_in_place_by_the_rebuild() -> None:
+    """A replica's tensors held whole on the CPU in the published dtype are read inside the compiled rebuild
+    (its lookup's ``flat``), never through ``read``; a transposed or wider tensor is read through ``read``. The
+    patches are bit for bit those of a plain lookup function, which decodes tensor by tensor."""
+    from deltasync.codec.base import FlatLookup
+
+    old, new, data = three_tensors_stepped(3)
     held = {"a": old["a"].to(torch.bfloat16), "b": old["b"].to(torch.bfloat16).t().contiguous().t(), "c": old["c"]}
     replica = TorchModuleApplier(held)  # "b" transposed, "c" held in fp32: both read through read
     read_for = []
@@ -112,6 +117,37 @@ def test_a_cpu_replica_is_read_in_place_by_the_rebuild() -> None:
     replica.apply(patches)
     for name, t in new.items():
         assert torch.equal(held[name].to(torch.bfloat16).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_cpu_replica_writes_with_the_compiled_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor held whole on the CPU in the published dtype takes its patch through ``kernels.put``; a
+    transposed or wider one through torch. Every tensor ends bit-exact and its version counter moves, so
+    autograd still refuses a backward through weights changed since its forward."""
+    from deltasync.appliers import torch as torch_applier
+
+    old, new, data = three_tensors_stepped(4)
+    held = {"a": old["a"].to(torch.bfloat16).requires_grad_(),
+            "b": old["b"].to(torch.bfloat16).t().contiguous().t(), "c": old["c"].clone()}
+    replica = TorchModuleApplier(held)
+    written = []
+    real_put = torch_applier.put
+
+    def put(dst: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+        written.append(dst.size)
+        real_put(dst, indices, values)
+
+    monkeypatch.setattr(torch_applier, "put", put)
+    loss = (held["a"] * held["a"]).sum()  # saves "a" for its backward
+    versions = {n: t._version for n, t in held.items()}
+    _, patches = decode(data, base=replica.lookup)
+    replica.apply(patches)
+    assert written == [64 * 300]  # "a" alone: "b" is transposed, "c" held in fp32
+    assert all(t._version > versions[n] for n, t in held.items())
+    for name, t in new.items():
+        assert torch.equal(held[name].detach().to(torch.bfloat16).view(torch.int16),
+                           t.to(torch.bfloat16).view(torch.int16)), name
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("codec", ["compact", "compact-abs"])
@@ -791,6 +827,28 @@ def test_chunks_count_each_tensors_fixed_cost(monkeypatch: pytest.MonkeyPatch) -
 
 class TestKernels:
     """The compiled host kernels (codec/kernels.py) against the numpy decoder they replace."""
+
+    @pytest.mark.parametrize("dtype", [np.int16, np.int32])
+    def test_put_is_numpys_assignment_and_stops_at_an_index_out_of_range(self, dtype: type) -> None:
+        from deltasync.codec.kernels import put
+
+        rng = np.random.default_rng(0)
+        dst = rng.integers(-1000, 1000, 5000).astype(dtype)
+        indices = np.sort(rng.choice(5000, 300, replace=False)).astype(np.int64)
+        values = rng.integers(-1000, 1000, 300).astype(dtype)
+        expected = dst.copy()
+        expected[indices] = values
+        put(dst, indices, values)
+        np.testing.assert_array_equal(dst, expected)
+        for bad in (-1, 5000):
+            before = dst.copy()
+            with pytest.raises(IndexError):
+                put(dst, np.array([3, bad, 7], dtype=np.int64), np.array([1, 2, 3], dtype=dtype))
+            assert dst[3] == 1 and dst[7] == before[7]  # written up to the bad index, nothing after it
+        with pytest.raises(ValueError):
+            put(dst, indices, values[:-1])
+        with pytest.raises(ValueError):
+            put(dst, indices, values.astype(np.int64))
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
     def test_base_reads_match_index_select_and_refuse_what_is_out_of_range(self, dtype: torch.dtype) -> None:

@@ -1,8 +1,9 @@
 """Apply deltas in place into a PyTorch module (or any mapping of tensors).
 
 Writes go through :func:`~deltasync.tensors.write_at` (``index_put_`` or
-``index_copy_``) into the existing storage of each parameter on its own
-device: O(changed elements), no reallocation, so optimizers, hooks and
+``index_copy_``), or for a tensor held whole on the CPU in its published dtype
+the compiled :func:`~deltasync.codec.kernels.put`, into the existing storage
+of each parameter on its own device: O(changed elements), no reallocation, so optimizers, hooks and
 captured graphs that hold the tensors keep seeing the live weights. Parameters
 may be held in the published dtype (bit-exact writes of the bit patterns) or in
 a wider float dtype (values are cast up, which is exact for bf16 -> fp32), and
@@ -13,16 +14,19 @@ may be non-contiguous views (transposed, sliced): flat indices are logical
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from ..codec import Decoded
 from ..codec.base import FlatLookup
 from ..codec.device import DeviceReader
-from ..codec.kernels import take
+from ..codec.kernels import put, take
 from ..errors import ConfigError, TensorMismatch
 from ..format import Header
+from ..parallel import map_shared
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, write_at
 from .apply import check_header
 
@@ -119,7 +123,9 @@ class TorchModuleApplier:
         """Write validated patches in place; call :meth:`validate` first.
 
         Patches rebuilt on the weights' device (:attr:`on_device`) are written from
-        there. Other patches of tensors on the CPU are written one by one. The changed
+        there. Other patches of tensors on the CPU are written by the compiled scatter where
+        the tensor is held whole in its published dtype (on the decode threads, without the
+        GIL), else one by one by torch. The changed
         elements of other tensors on an accelerator are staged: all their indices and values are
         copied into one pinned host buffer per kind, moved to the device in one
         asynchronous copy each, and written from there, so the host never waits
@@ -129,14 +135,20 @@ class TorchModuleApplier:
         """
         with torch.no_grad():
             staged: dict[torch.device, list[tuple[str, Decoded]]] = {}
+            scattered: list[tuple[np.ndarray, Decoded]] = []
             for name, patch in decoded.items():
                 device = self._tensors[name].device
                 if isinstance(patch.values, torch.Tensor):  # rebuilt on the device: written from there
                     self._write(name, _optional(patch.indices), patch.values)
                 elif patch.indices is not None and (self._stage or device.type != "cpu"):
                     staged.setdefault(device, []).append((name, patch))
+                elif (flat := self._scatter_target(name, patch)) is not None:
+                    scattered.append((flat, patch))
+                    increment_version(self._tensors[name])  # as torch's in-place writes do: autograd sees it
                 else:
                     self._write(name, _optional(patch.indices), _tensor(patch.values))
+            # The compiled scatter holds no GIL: the patches are shared among the decode threads.
+            map_shared(_put, scattered, [len(patch.indices) for _, patch in scattered])
             for device, items in staged.items():
                 self._apply_staged(device, items)
         # Done means done on every stream: inference may read the weights on a stream of its own.
@@ -165,6 +177,15 @@ class TorchModuleApplier:
             n = len(patch.indices)
             self._write(name, moved["idx"][at : at + n], moved[width][v_at : v_at + n])
 
+    def _scatter_target(self, name: str, patch: Decoded) -> np.ndarray | None:
+        """Tensor ``name`` as a flat numpy view where the compiled scatter (:func:`~deltasync.codec.kernels.put`)
+        writes this host patch: the tensor held whole on the CPU in its published dtype, the patch numpy (1.6x
+        faster than torch's kernels into weights not in cache, on one thread). Else ``None``."""
+        if not isinstance(patch.indices, np.ndarray) or not isinstance(patch.values, np.ndarray):
+            return None
+        flat = self._flat(name)
+        return flat if flat is not None and patch.values.dtype.itemsize == flat.itemsize else None
+
     def _write(self, name: str, indices: torch.Tensor | None, values: torch.Tensor) -> None:
         """Write bit patterns ``values`` (at flat ``indices``, or all) into tensor ``name`` on its device."""
         tensor = self._tensors[name]
@@ -185,6 +206,11 @@ class TorchModuleApplier:
     def state(self) -> dict[str, torch.Tensor]:
         """The receiving tensors by published name (live views, not copies)."""
         return dict(self._tensors)
+
+
+def _put(item: tuple[np.ndarray, Decoded]) -> None:
+    flat, patch = item
+    put(flat, cast(np.ndarray, patch.indices).astype(np.int64, copy=False), cast(np.ndarray, patch.values).view(flat.dtype))
 
 
 def _optional(array: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:

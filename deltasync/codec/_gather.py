@@ -1,6 +1,7 @@
-"""A CPU replica's read of its weights at the changed indices (:func:`take`), hinted ahead where it is sparse.
+"""A CPU replica's read of its weights at the changed indices (:func:`take`), hinted ahead where it is sparse,
+and its write of the new bit patterns there (:func:`put`).
 
-Part of the compiled kernels behind :mod:`.kernels`; every index is checked before it is read.
+Part of the compiled kernels behind :mod:`.kernels`; every index is checked before it is read or written.
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ def _pick_take() -> Any:
 
 
 take = _pick_take()
+
+
+@jit
+def put(dst: Any, indices: Any, values: Any) -> int:
+    """``dst[indices] = values`` in order, up to the first index out of range (``OUT_OF_RANGE``).
+
+    Unhinted: a write that misses waits in the store buffer, not in the loop. Hints for writing were measured
+    and left out (3.6-3.8 ms with and without them for 1.28M changes into 256 MB of cold weights)."""
+    size = dst.size
+    for j in range(indices.size):
+        at = indices[j]
+        if at < 0 or at >= size:
+            return OUT_OF_RANGE
+        dst[at] = values[j]
+    return OK
 
 
 @inline

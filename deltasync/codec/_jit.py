@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from ._gather import AHEAD, SPARSE, hint
-from ._gather import take as take  # the kernels' namespace, as :mod:`.kernels` reads it
+from ._gather import put as put  # the kernels' namespace, as :mod:`.kernels` reads it
+from ._gather import take as take
 from ._numba import BAD_ESCAPES, OK, OUT_OF_RANGE, inline, jit
 from ._rice_jit import RICE_PROBLEMS as RICE_PROBLEMS
 from ._rice_jit import rice_rank_stream as rice_rank_stream

