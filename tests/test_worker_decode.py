@@ -119,6 +119,53 @@ def _split_engine(weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str,
     return index, {"top": top, "bottom": bottom, "k_t": k_t}
 
 
+def test_the_host_decode_reads_whole_plain_tensors_in_place_and_others_through_the_map(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor held whole in one plain CPU parameter in its published dtype is read by the compiled rebuild
+    from a view of the weights (``IndexMap.flat_bits``); boxes, tables, a tensor held in part or in a wider
+    dtype are read through the map. Both end exact."""
+    from deltasync.appliers import worker_decode
+
+    reads: list[str] = []
+    real = worker_decode.read_bits
+
+    def read_bits(index: IndexMap, payload: dict) -> dict:
+        reads.extend(payload)
+        return real(index, payload)
+
+    monkeypatch.setattr(worker_decode, "read_bits", read_bits)
+    old = _weights()
+    new = _step(old)
+    index, fused = _engine(old)
+    q = index.flat_bits("q.weight")
+    assert q is not None and q.size == 128 and torch.from_numpy(q).data_ptr() == fused.data.data_ptr()
+    assert index.flat_bits("k.weight") is not None  # its rows after q's, whole
+    patches = decode_here(index, [_delta(old, new)], whole=False)
+    assert reads == []
+    write_patches(index, patches)
+    assert torch.equal(fused.data.view(torch.int16), torch.cat([new["q.weight"], new["k.weight"]]).view(torch.int16))
+
+    tied, _ = _engine(old)
+    tied.targets["k.weight"].append(Target(fused, "qk_proj.weight", (4, 16), lo=(0, 0), hi=(4, 16), offset=(0, 0)))
+    assert tied.flat_bits("k.weight") is not None  # held twice: read from the first, as the map reads
+    tied.targets["k.weight"].reverse()
+    assert tied.flat_bits("k.weight") is None  # the first a box without its flat range: read through the map
+    split, params = _split_engine(old)  # q in two boxes, k through a table
+    partial, _ = _engine(old, k_rows=2)  # k held in part
+    wide = IndexMap([TensorSpec.of(n, t) for n, t in old.items()])  # published bf16, held in fp32
+    for name, whole in IndexMap.whole({n: torch.nn.Parameter(t.float(), requires_grad=False)
+                                       for n, t in old.items()}).targets.items():
+        wide.targets[name] += whole
+    for other in (split, partial, wide):
+        assert other.flat_bits("k.weight") is None
+    assert split.flat_bits("q.weight") is None and wide.flat_bits("q.weight") is None
+    patches = decode_here(split, [_delta(old, new)], whole=False)
+    assert sorted(reads) == ["k.weight", "q.weight"]
+    write_patches(split, patches)
+    assert torch.equal(params["k_t"].data.t().view(torch.int16), new["k.weight"].view(torch.int16))
+
+
 def test_the_device_path_reads_and_writes_through_boxes_and_tables_exactly() -> None:
     old = _weights()
     new = _step(old)

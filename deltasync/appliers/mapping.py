@@ -378,6 +378,27 @@ class IndexMap:
                                               flat=(0, p.numel(), 0)))
         return index
 
+    def flat_bits(self, name: str) -> np.ndarray | None:
+        """Tensor ``name``'s published bit patterns as one flat numpy view of the weights, where this rank's
+        first target of it holds all of it in one plain parameter on the CPU, contiguous and in the published
+        dtype (a whole-tensor flat range); else ``None``.
+
+        A host decode reads its base there in place (:class:`~deltasync.codec.base.FlatLookup`): the elements
+        :func:`~.apply.read_bits` reads through this map, which takes each element from the first target that
+        holds it (a tied or replicated copy after it is written, never read), without a read per tensor."""
+        targets = self.targets.get(name)
+        if not targets:
+            return None
+        target, spec = targets[0], self.specs[name]
+        numel = spec.numel
+        if target.layout is not PLAIN or target.flat is None or target.flat[:2] != (0, numel):
+            return None
+        data, shift = target.param.data, target.flat[2]
+        if not (data.is_cpu and data.is_contiguous() and data.dtype == spec.torch_dtype) or shift < 0 \
+                or shift + numel > data.numel():
+            return None
+        return data.view(-1)[shift : shift + numel].view(bits_dtype(data.dtype)).numpy()
+
     def owned(self) -> dict[str, list[Any]]:
         """Per checkpoint tensor, what each target covers (:meth:`Target.describe`)."""
         return {name: [t.describe() for t in ts] for name, ts in self.targets.items()}

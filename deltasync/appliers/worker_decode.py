@@ -19,7 +19,9 @@ Where the rank's weights live on an accelerator, ``compact`` tensors are rebuilt
 there (:mod:`deltasync.codec.device`), their bases read through the map on the
 device (:class:`MapReader`): the host inflates, the device does the rest, and
 the host waits once per file instead of once per tensor. The patches stay on the
-device for the write. On a CPU the host decode is faster and is the default.
+device for the write. On a CPU the host decode is faster and is the default; a tensor the rank holds whole in
+one plain parameter there is read in place by the compiled rebuild (:meth:`~.mapping.IndexMap.flat_bits`),
+the others through the map.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from .. import errors
 from ..codec import Decoded
+from ..codec.base import FlatLookup
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
@@ -75,8 +78,10 @@ def decode_here(
     if on_device is None:
         on_device = accelerator_of(index) is not None
     reader = MapReader(index) if on_device else None
+    # On the host, a tensor held whole in one plain parameter is read in place by the compiled rebuild.
+    base = lookup if on_device else FlatLookup(lookup, index.flat_bits)
     try:  # writable buffers (a private mapping as it is, else a copy): the streams are viewed in place
-        parts = [decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=lookup,
+        parts = [decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=base,
                         on_device=reader) for f in files]
     except IntegrityError:
         if reader is not None:
