@@ -14,7 +14,6 @@ may be non-contiguous views (transposed, sliced): flat indices are logical
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
 import numpy as np
 import torch
@@ -135,20 +134,20 @@ class TorchModuleApplier:
         """
         with torch.no_grad():
             staged: dict[torch.device, list[tuple[str, Decoded]]] = {}
-            scattered: list[tuple[np.ndarray, Decoded]] = []
+            scattered: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # put's arguments, per patch
             for name, patch in decoded.items():
                 device = self._tensors[name].device
                 if isinstance(patch.values, torch.Tensor):  # rebuilt on the device: written from there
                     self._write(name, _optional(patch.indices), patch.values)
                 elif patch.indices is not None and (self._stage or device.type != "cpu"):
                     staged.setdefault(device, []).append((name, patch))
-                elif (flat := self._scatter_target(name, patch)) is not None:
-                    scattered.append((flat, patch))
+                elif (args := self._scatter_args(name, patch)) is not None:
+                    scattered.append(args)
                     increment_version(self._tensors[name])  # as torch's in-place writes do: autograd sees it
                 else:
                     self._write(name, _optional(patch.indices), _tensor(patch.values))
             # The compiled scatter holds no GIL: the patches are shared among the decode threads.
-            map_shared(_put, scattered, [len(patch.indices) for _, patch in scattered])
+            map_shared(_put, scattered, [indices.size for _, indices, _ in scattered])
             for device, items in staged.items():
                 self._apply_staged(device, items)
         # Done means done on every stream: inference may read the weights on a stream of its own.
@@ -177,14 +176,18 @@ class TorchModuleApplier:
             n = len(patch.indices)
             self._write(name, moved["idx"][at : at + n], moved[width][v_at : v_at + n])
 
-    def _scatter_target(self, name: str, patch: Decoded) -> np.ndarray | None:
-        """Tensor ``name`` as a flat numpy view where the compiled scatter (:func:`~deltasync.codec.kernels.put`)
-        writes this host patch: the tensor held whole on the CPU in its published dtype, the patch numpy (1.6x
-        faster than torch's kernels into weights not in cache, on one thread). Else ``None``."""
-        if not isinstance(patch.indices, np.ndarray) or not isinstance(patch.values, np.ndarray):
+    def _scatter_args(self, name: str, patch: Decoded) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The arguments of the compiled scatter (:func:`~deltasync.codec.kernels.put`) that writes this host
+        patch into tensor ``name``, where the tensor is held whole on the CPU in its published dtype and the
+        patch is numpy (1.6x faster than torch's kernels into weights not in cache, on one thread). Else
+        ``None``."""
+        indices, values = patch.indices, patch.values
+        if not isinstance(indices, np.ndarray) or not isinstance(values, np.ndarray):
             return None
         flat = self._flat(name)
-        return flat if flat is not None and patch.values.dtype.itemsize == flat.itemsize else None
+        if flat is None or values.dtype.itemsize != flat.itemsize:
+            return None
+        return flat, indices.astype(np.int64, copy=False), values.view(flat.dtype)
 
     def _write(self, name: str, indices: torch.Tensor | None, values: torch.Tensor) -> None:
         """Write bit patterns ``values`` (at flat ``indices``, or all) into tensor ``name`` on its device."""
@@ -208,9 +211,8 @@ class TorchModuleApplier:
         return dict(self._tensors)
 
 
-def _put(item: tuple[np.ndarray, Decoded]) -> None:
-    flat, patch = item
-    put(flat, cast(np.ndarray, patch.indices).astype(np.int64, copy=False), cast(np.ndarray, patch.values).view(flat.dtype))
+def _put(args: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    put(*args)
 
 
 def _optional(array: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:

@@ -60,7 +60,7 @@ def chunks(sizes: Sequence[int], kinds: Sequence[Hashable]) -> list[list[int]]:
     open_run: dict[Hashable, tuple[list[int], int]] = {}  # per kind: the run being filled, and its work
     for k, (size, kind) in enumerate(zip(sizes, kinds)):
         run, filled = open_run.get(kind, ([], 0))
-        cost = size + TENSOR_COST
+        cost = work((size,))
         if not run or filled + cost > CHUNK:
             run, filled = [], 0
             runs.append(run)
