@@ -12,7 +12,7 @@ import numpy as np
 from ._gather import AHEAD, SPARSE, hint
 from ._gather import put as put  # the kernels' namespace, as :mod:`.kernels` reads it
 from ._gather import take as take
-from ._numba import BAD_ESCAPES, OK, OUT_OF_RANGE, inline, jit
+from ._numba import BAD_ESCAPES, OK, OUT_OF_RANGE, U, inline, jit
 from ._rice_jit import RICE_PROBLEMS as RICE_PROBLEMS
 from ._rice_jit import rice_rank_stream as rice_rank_stream
 from ._rice_jit import rice_ranks as rice_ranks
@@ -23,19 +23,19 @@ from ._rice_jit import rice_words as rice_words
 @inline
 def _gap(raw: Any, j: int, nnz: int, iw: int, big: int, used: int) -> Any:
     """Gap ``j`` of the planes, an escape resolved from the side stream: ``(gap, escapes used, status)``."""
-    gap = np.int64(raw[j])
+    gap = np.int64(raw[U(j)])
     for p in range(1, iw):
-        gap |= np.int64(raw[j + p * nnz]) << (8 * p)
+        gap |= np.int64(raw[U(j + p * nnz)]) << (8 * p)
     if gap != (1 << (8 * iw)) - 1:
         return gap, used, OK
     if used == big:
         return gap, used, BAD_ESCAPES
-    at = nnz * iw + 8 * used
-    if raw[at + 7] != 0:  # 2**56 or more: past any tensor
+    at = nnz * iw + 8 * used  # used < big: within the side stream (the caller checked raw's size)
+    if raw[U(at + 7)] != 0:  # 2**56 or more: past any tensor
         return gap, used, OUT_OF_RANGE
     gap = np.int64(0)
     for b in range(7):
-        gap |= np.int64(raw[at + b]) << (8 * b)
+        gap |= np.int64(raw[U(at + b)]) << (8 * b)
     return gap, used + 1, OK
 
 
@@ -50,7 +50,7 @@ def _gaps(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> int:
         if gap >= numel - last - 1:  # the next index would be numel or more (no sum can wrap)
             return OUT_OF_RANGE
         last += gap + 1
-        out[j] = last
+        out[U(j)] = last
     return OK if used == big else BAD_ESCAPES
 
 
@@ -67,7 +67,7 @@ def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> 
 def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
     starts = np.zeros(257, np.int64)  # per exponent byte: its first rank in the exponent order
     for i in range(bits.size):
-        starts[((np.int64(bits[i]) & mask) >> mantissa & 0xFF) + 1] += 1
+        starts[U(((np.int64(bits[U(i)]) & mask) >> mantissa & 0xFF) + 1)] += 1
     for e in range(256):
         starts[e + 1] += starts[e]
     return starts
@@ -86,15 +86,15 @@ def _merge(raw: Any, nnz: int, width: int, mantissa: int, base: Any, slots: Any,
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
     for j in range(nnz):
-        bits = np.int64(base[j]) & mask
-        e = bits >> mantissa & 0xFF
-        q = slots[e]
+        bits = np.int64(base[U(j)]) & mask
+        e = U(bits >> mantissa & 0xFF)
+        q = slots[e]  # within [0, nnz): the slots count exactly these base reads, class by class
         slots[e] = q + 1
-        word = np.int64(raw[q])
+        word = np.int64(raw[U(q)])
         for p in range(1, width):
-            word |= np.int64(raw[q + p * nnz]) << (8 * p)
+            word |= np.int64(raw[U(q + p * nnz)]) << (8 * p)
         new = (bits + ((word >> 1) ^ -(word & 1))) & mask
-        out[j] = new - 2 * half if new >= half else new
+        out[U(j)] = new - 2 * half if new >= half else new
     return OK
 
 
@@ -153,7 +153,7 @@ def exponent_positions(bits: Any, mantissa: int, starts: Any, ranks: Any, where:
 def gap_counts(indices: Any, counts: Any) -> int:
     prev = np.int64(-1)
     for j in range(indices.size):
-        gap = indices[j] - prev - 1
+        gap = indices[U(j)] - prev - 1
         if gap < 0:
             return OUT_OF_RANGE  # not sorted and unique
         if gap >= 0xFF:
@@ -162,7 +162,7 @@ def gap_counts(indices: Any, counts: Any) -> int:
                 counts[1] += 1
                 if gap >= 0xFFFFFFFF:
                     counts[2] += 1
-        prev = indices[j]
+        prev = indices[U(j)]
     return OK
 
 
@@ -173,18 +173,18 @@ def gap_planes(indices: Any, iw: int, out: Any) -> int:
     side = nnz * iw
     used = 0
     prev = np.int64(-1)
-    for j in range(nnz):
-        gap = indices[j] - prev - 1
-        prev = indices[j]
+    for j in range(nnz):  # the indices are sorted and unique (gap_counts), out sized for their escapes
+        gap = indices[U(j)] - prev - 1
+        prev = indices[U(j)]
         word = gap
         if gap >= escape:
             word = escape
             at = side + 8 * used
             used += 1
             for b in range(8):
-                out[at + b] = (gap >> (8 * b)) & 0xFF
+                out[U(at + b)] = (gap >> (8 * b)) & 0xFF
         for p in range(iw):
-            out[j + p * nnz] = (word >> (8 * p)) & 0xFF
+            out[U(j + p * nnz)] = (word >> (8 * p)) & 0xFF
     return OK
 
 
@@ -195,16 +195,16 @@ def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int
     half = np.int64(1) << (8 * width - 1)
     slots = class_starts(base, mask, mantissa)
     for j in range(nnz):
-        bits = np.int64(base[j]) & mask
-        e = bits >> mantissa & 0xFF
+        bits = np.int64(base[U(j)]) & mask
+        e = U(bits >> mantissa & 0xFF)
         q = slots[e]
         slots[e] = q + 1
-        step = ((np.int64(new[j]) & mask) - bits) & mask
+        step = ((np.int64(new[U(j)]) & mask) - bits) & mask
         if step >= half:
             step -= 2 * half
         word = ((step << 1) ^ (step >> 63)) & mask
         for p in range(width):
-            out[q + p * nnz] = (word >> (8 * p)) & 0xFF
+            out[U(q + p * nnz)] = (word >> (8 * p)) & 0xFF
     return OK
 
 
@@ -231,14 +231,14 @@ def _rebuild(
             if gap >= numel - last - 1:  # as in _gaps; folded into _gap, this loop ran 2.5x slower
                 return OUT_OF_RANGE
             last += gap + 1
-            indices[t] = last
+            indices[U(t)] = last
             if hinted:
-                hint(src, last + offset)
+                hint(src, U(last + offset))
         j = t - AHEAD
         if j >= 0:
-            bits = src[indices[j] + offset]
-            out[j] = bits
-            slots[((np.int64(bits) & mask) >> mantissa & 0xFF) + 1] += 1
+            bits = src[U(indices[U(j)] + offset)]  # in [offset, offset + numel): checked above
+            out[U(j)] = bits
+            slots[U(((np.int64(bits) & mask) >> mantissa & 0xFF) + 1)] += 1
     if used != big:
         return BAD_ESCAPES
     for e in range(256):

@@ -8,9 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 import numba
+import numpy as np
 
 OK, BAD_ESCAPES, OUT_OF_RANGE = 0, 1, 2
 """What a kernel returns: done, an escape count that differs from the params, an index or rank out of range."""
+
+
+U = np.uint64
+"""An index the kernel knows is non-negative, cast with ``U(i)``: numba then leaves out its handling of negative
+indices (a sign test and a reload on every access). In the hot loops of a rebuild that was 12 % of its time
+(8.0 -> 7.0 ms for a synthetic step's 1.28M changes on one core) and a quarter of the value merge's. Only where the
+kernel's own checks prove the index is within the array: unlike a wrapped negative index, a wrong one reads
+outside it."""
 
 
 def jit(fn: Any) -> Any:
