@@ -65,9 +65,18 @@ def gap_indices(raw: Any, nnz: int, iw: int, big: int, numel: int, out: Any) -> 
 
 @jit
 def class_starts(bits: Any, mask: int, mantissa: int) -> Any:
+    # Four counts per exponent byte, one for each element of a group of four, summed after: increments of one
+    # count wait on each other, and most elements share a few exponents (0.75 -> 0.54 ms for 1.28M elements).
+    lanes = np.zeros((4, 257), np.int64)
+    whole = bits.size - bits.size % 4
+    for i in range(0, whole, 4):
+        for k in range(4):
+            lanes[k, U(((np.int64(bits[U(i + k)]) & mask) >> mantissa & 0xFF) + 1)] += 1
+    for i in range(whole, bits.size):
+        lanes[0, U(((np.int64(bits[U(i)]) & mask) >> mantissa & 0xFF) + 1)] += 1
     starts = np.zeros(257, np.int64)  # per exponent byte: its first rank in the exponent order
-    for i in range(bits.size):
-        starts[U(((np.int64(bits[U(i)]) & mask) >> mantissa & 0xFF) + 1)] += 1
+    for e in range(257):
+        starts[e] = lanes[0, e] + lanes[1, e] + lanes[2, e] + lanes[3, e]
     for e in range(256):
         starts[e + 1] += starts[e]
     return starts
@@ -151,45 +160,60 @@ def exponent_positions(bits: Any, mantissa: int, starts: Any, ranks: Any, where:
 
 @jit
 def gap_counts(indices: Any, counts: Any) -> int:
+    # No branch and no early exit: the compiler vectorises the loop (1.42 -> 0.33 ms for 1.28M indices).
+    unsorted = False
+    byte, short, word = np.int64(0), np.int64(0), np.int64(0)  # gaps too wide for 1, 2 and 4 bytes
     prev = np.int64(-1)
     for j in range(indices.size):
-        gap = indices[U(j)] - prev - 1
-        if gap < 0:
-            return OUT_OF_RANGE  # not sorted and unique
-        if gap >= 0xFF:
-            counts[0] += 1
-            if gap >= 0xFFFF:
-                counts[1] += 1
-                if gap >= 0xFFFFFFFF:
-                    counts[2] += 1
-        prev = indices[U(j)]
+        at = indices[U(j)]
+        gap = at - prev - 1
+        prev = at
+        unsorted |= gap < 0
+        byte += np.int64(gap >= 0xFF)
+        short += np.int64(gap >= 0xFFFF)
+        word += np.int64(gap >= 0xFFFFFFFF)
+    if unsorted:
+        return OUT_OF_RANGE  # not sorted and unique
+    counts[0] += byte
+    counts[1] += short
+    counts[2] += word
     return OK
 
 
-@jit
-def gap_planes(indices: Any, iw: int, out: Any) -> int:
+@inline
+def _planes(indices: Any, iw: int, out: Any) -> int:
     nnz = indices.size
     escape = (np.int64(1) << (8 * iw)) - 1
     side = nnz * iw
     used = 0
     prev = np.int64(-1)
     for j in range(nnz):  # the indices are sorted and unique (gap_counts), out sized for their escapes
-        gap = indices[U(j)] - prev - 1
-        prev = indices[U(j)]
+        at = indices[U(j)]
+        gap = at - prev - 1
+        prev = at
         word = gap
         if gap >= escape:
             word = escape
-            at = side + 8 * used
+            side_at = side + 8 * used
             used += 1
             for b in range(8):
-                out[U(at + b)] = (gap >> (8 * b)) & 0xFF
+                out[U(side_at + b)] = (gap >> (8 * b)) & 0xFF
         for p in range(iw):
             out[U(j + p * nnz)] = (word >> (8 * p)) & 0xFF
     return OK
 
 
 @jit
-def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int:
+def gap_planes(indices: Any, iw: int, out: Any) -> int:
+    if iw == 1:  # each width compiled apart, as the decoder's (2.33 -> 1.24 ms for 1.28M indices)
+        return _planes(indices, 1, out)
+    if iw == 2:
+        return _planes(indices, 2, out)
+    return _planes(indices, 4, out) if iw == 4 else _planes(indices, iw, out)
+
+
+@inline
+def _step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int:
     nnz = base.size
     mask = (np.int64(1) << (8 * width)) - 1
     half = np.int64(1) << (8 * width - 1)
@@ -206,6 +230,15 @@ def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int
         for p in range(width):
             out[U(q + p * nnz)] = (word >> (8 * p)) & 0xFF
     return OK
+
+
+@jit
+def step_planes(new: Any, base: Any, width: int, mantissa: int, out: Any) -> int:
+    if width == 2:  # bf16, fp16 compiled apart (4.07 -> 2.15 ms for 1.28M changes)
+        return _step_planes(new, base, 2, mantissa, out)
+    if width == 4:
+        return _step_planes(new, base, 4, mantissa, out)
+    return _step_planes(new, base, width, mantissa, out)
 
 
 @inline
