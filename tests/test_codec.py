@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from deltasync.appliers import TorchModuleApplier
 from deltasync.codec import codec_names, get_codec, register_codec
 from deltasync.diff import Snapshot, diff
-from deltasync.format import decode, encode_anchor, encode_delta
+from deltasync.format import decode, encode_anchor, encode_delta, read_header
 
 SPARSE_CODECS = ["compact", "compact-abs", "compact-exp", "exp-rice", "raw"]
 DTYPES = {"BF16": (torch.bfloat16, torch.int16), "F16": (torch.float16, torch.int16), "F32": (torch.float32, torch.int32)}
@@ -79,8 +79,10 @@ def test_roundtrip_is_bit_exact(codec: str, case: tuple[str, np.ndarray, np.ndar
     roundtrip(*case, codec=codec)
 
 
-def three_tensors_stepped(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bytes]:
-    """Three fp32 tensors, the same with 2 % of each moved, and the delta between them."""
+def three_tensors_stepped(
+    seed: int, codec: str = "compact"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bytes]:
+    """Three fp32 tensors, the same with 2 % of each moved, and the delta between them (``codec``)."""
     gen = torch.Generator().manual_seed(seed)
     old = {"a": torch.randn(64, 300, generator=gen), "b": torch.randn(300, 64, generator=gen),
            "c": torch.randn(5000, generator=gen)}
@@ -88,7 +90,35 @@ def three_tensors_stepped(seed: int) -> tuple[dict[str, torch.Tensor], dict[str,
     for t in new.values():
         flat = t.view(-1)
         flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 50]] += 0.05
-    return old, new, encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0)
+    return old, new, encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0, codec=codec)
+
+
+@pytest.mark.parametrize("codec", ["compact-exp", "exp-rice"])
+def test_an_exponent_ranked_decode_reads_a_cpu_replica_in_place(codec: str) -> None:
+    """The codecs that rank positions by the receiver's whole tensor take a tensor held whole on the CPU in
+    the published dtype as it is (its lookup's ``flat``), and read the others through ``read``; the patches are
+    bit for bit those of a plain lookup function, and the weights end exact."""
+    from deltasync.codec.base import FlatLookup
+
+    old, new, data = three_tensors_stepped(4, codec)
+    assert {e.codec for e in read_header(data).tensors.values()} == {codec}
+    held = {"a": old["a"].to(torch.bfloat16), "b": old["b"].to(torch.bfloat16).t().contiguous().t(), "c": old["c"]}
+    replica = TorchModuleApplier(held)
+    read_for = set()
+
+    def read(name: str, indices: np.ndarray) -> np.ndarray:
+        read_for.add(name)
+        return replica.lookup.read(name, indices)
+
+    _, patches = decode(data, base=FlatLookup(read, replica.lookup.flat))
+    assert read_for == {"b", "c"}
+    _, alone = decode(data, base=lambda name, indices: replica.lookup(name, indices))
+    for name, patch in alone.items():
+        np.testing.assert_array_equal(patches[name].indices, patch.indices)
+        np.testing.assert_array_equal(patches[name].values, patch.values)
+    replica.apply(patches)
+    for name, t in new.items():
+        assert torch.equal(held[name].to(torch.bfloat16).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
 
 
 def test_a_cpu_replica_is_read_in_place_by_the_rebuild() -> None:
@@ -167,7 +197,6 @@ def test_the_device_path_rebuilds_what_the_host_path_does(
     _, host = decode(data, base=host_replica.lookup)
     if offset:  # the same tensor as the tail of a longer one (a shard), read where the shard starts
         from deltasync.codec.device import decode_on_device, streams_of
-        from deltasync.format import read_header
         from deltasync.format.decode import file_entries
 
         entry = read_header(data).tensors.get("w")
@@ -1103,6 +1132,10 @@ class TestKernels:
         np.testing.assert_array_equal(where, indices)
         np.testing.assert_array_equal(sorted_ranks[slots], ranks)
         assert exponent_positions(bits, np.array([bits.size], np.int64)) is None
+        for _ in range(20):  # ranks out of order (callers pass sorted ones): refused or as many, never past them
+            shuffled = rng.permutation(sorted_ranks)[:50]
+            found = exponent_positions(bits, shuffled)
+            assert found is None or found[0].shape == found[1].shape == shuffled.shape
         with pytest.raises(ValueError, match="sorted"):
             exponent_ranks(bits, indices[::-1].copy())
 

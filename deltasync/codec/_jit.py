@@ -120,9 +120,9 @@ def exponent_ranks(bits: Any, mantissa: int, starts: Any, indices: Any, out: Any
     seen = np.zeros(256, np.int64)
     k = 0
     for i in range(bits.size):
-        e = (np.int64(bits[i]) & mask) >> mantissa & 0xFF
-        if k < indices.size and indices[k] == i:
-            out[k] = starts[e] + seen[e]
+        e = U((np.int64(bits[U(i)]) & mask) >> mantissa & 0xFF)
+        if k < indices.size and indices[U(k)] == i:
+            out[U(k)] = starts[e] + seen[e]
             k += 1
         seen[e] += 1
     return OK if k == indices.size else OUT_OF_RANGE
@@ -144,17 +144,20 @@ def exponent_positions(bits: Any, mantissa: int, starts: Any, ranks: Any, where:
             skip[e] = ranks[q] - starts[e]
     k = 0
     for i in range(bits.size):
-        e = (np.int64(bits[i]) & mask) >> mantissa & 0xFF
+        e = U((np.int64(bits[U(i)]) & mask) >> mantissa & 0xFF)
         left = skip[e]
         if left != 0:
             skip[e] = left - 1  # a class with no change left counts down from -1 and never reaches 0
             continue
+        if k == ranks.size:
+            return OUT_OF_RANGE  # more changes than ranks: ranks not sorted (callers pass sorted ones)
         q = next_of[e]
-        where[k] = i
-        slot[k] = q
+        where[U(k)] = i
+        slot[U(k)] = q
         k += 1
         next_of[e] = q + 1
-        skip[e] = ranks[q + 1] - ranks[q] - 1 if q + 1 < ranks.size and ranks[q + 1] < starts[e + 1] else -1
+        more = q + 1 < ranks.size and ranks[U(q + 1)] < starts[e + 1]
+        skip[e] = ranks[U(q + 1)] - ranks[U(q)] - 1 if more else -1
     return OK if k == ranks.size else OUT_OF_RANGE
 
 
