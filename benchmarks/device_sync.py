@@ -36,6 +36,11 @@ go to ``device_sync_<device>_checkpoints.json``.
     python benchmarks/device_sync.py --device cuda --checkpoints run/step-*.safetensors
     python benchmarks/device_sync.py --device cuda --params 1e9 --profile prof/   # and where the time goes
 
+Device memory: the masters and at most four more copies of the bf16 weights at a time
+(each stage makes its own and drops them after it; ``device_peak_bytes`` in the JSON
+on a GPU): with fp32 masters, 6x the bf16 weights (12 GB at 1B parameters); for a
+checkpoint run in bf16, 5x (70 GB for a 7B model).
+
 With ``--profile DIR`` one more diff, decode, apply and whole update are run under
 torch's profiler (the device's kernels included on a GPU) and cProfile after the
 timed runs; ``DIR/profile_<stage>.txt`` holds the tables, ``.json.gz`` the traces.
@@ -264,6 +269,7 @@ def anchor_round(
             first[0] = first[0] * 2 + 1  # one change: version 1 is a delta, then the periodic anchor
             publisher.publish(1, block=True)
             publisher.flush()
+        del publisher  # and its snapshot: a copy of the weights the loads below need not share the device with
         periodic = next(i for i in infos if i.version == 1 and i.kind == "anchor")
         loads = {}
         for mapped in (True, False):  # parts mapped from the page cache (the default), and read into memory
@@ -274,6 +280,7 @@ def anchor_round(
             loads[mapped] = time.perf_counter() - started
             assert all(torch.equal(replica[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
                        for n, t in masters.items())
+            del replica  # before the next one is made
         parts = [p for p in (store / "anchors").iterdir() if "0000000001" in p.name]
         floor = store_floor([p.stat().st_size for p in parts], *floor_buffers, root)
     finally:
@@ -346,6 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         update_rounds = args.repeats
     numel = sum(t.numel() for t in model.masters.values())
     weight_bytes = 2 * numel
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     profiles = Path(args.profile) if args.profile else None
     if profiles:
         profiles.mkdir(parents=True, exist_ok=True)
@@ -353,16 +362,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=shm if shm.is_dir() else None))
     rows: dict[str, dict[str, Any]] = {}
     try:
-        # The run the later stages use: its first version (an anchor) and a replica that holds it.
-        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in model.masters.items()}
-        publisher = Publisher(model.masters, str(root / "run"), anchor_every=10**6)
-        publisher.publish(0, block=True)
-        publisher.flush()
-        subscriber = Subscriber(str(root / "run"), TorchModuleApplier(replica))
-        subscriber.update()
+        # Every copy of the weights a stage needs is made for it and dropped after it (device memory:
+        # about the masters and five copies of the bf16 weights at the most; see the module's docstring).
         flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
         flat_dst = torch.empty_like(flat_src)
         copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
+        del flat_src, flat_dst
         # The store floor's bytes: as many as the anchor's parts (the weights and small headers), memory touched.
         floor_bytes = weight_bytes + (16 << 20)
         floor_buffers = (torch.ones(floor_bytes, dtype=torch.uint8),
@@ -394,7 +399,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rows[f"anchor {name}{label}"]["floor_store"] = min(floors)
                     rows[f"anchor {name}{label}"]["spread"].append(
                         {"median": statistics.median(floors), "min": min(floors), "max": max(floors)})
+        del floor_buffers
 
+        # The run the later stages use: its first version (an anchor) and a replica that holds it.
+        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in model.masters.items()}
+        publisher = Publisher(model.masters, str(root / "run"), anchor_every=10**6)
+        publisher.publish(0, block=True)
+        publisher.flush()
+        subscriber = Subscriber(str(root / "run"), TorchModuleApplier(replica))
+        subscriber.update()
         # One step's change set: diff, encode, decode, apply, each against its floor.
         snapshot = Snapshot.capture(model.masters)
         nnz = model.step(args.density)
@@ -409,6 +422,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         changes = diff(snapshot, model.masters)
         assert changes.nnz == nnz, (changes.nnz, nnz)
         data = encode_delta(changes, version=1, base_version=0)
+        if profiles:
+            profile_stage("diff", lambda: diff(snapshot, model.masters), device, profiles)
+        del snapshot, changes  # the diff's copy of the weights: the decode stages have copies of their own
         header = read_header(data)
         decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
 
@@ -420,7 +436,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with one_core():  # the same decode on one thread: the per-core figure
             t_decode_one = spread(replica_decode, args.repeats, device)
         if profiles:
-            profile_stage("diff", lambda: diff(snapshot, model.masters), device, profiles)
             profile_stage("decode", replica_decode, device, profiles)
         # The path of a replica on an accelerator: rebuilt where the weights live, one host wait per file.
         rebuilt = TorchModuleApplier(decoder.state(), stage=True)
@@ -469,6 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               args.repeats, device)
         rank_exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16),
                                      t.to(torch.bfloat16).view(torch.int16)) for n, t in model.masters.items())
+        del index, rank_patches
         targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
         if profiles:  # after its timed runs: the decode above left the replica as it was
@@ -491,6 +507,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lambda: [targets[n].index_copy_(0, i.to(device, non_blocking=True), v.to(device, non_blocking=True))
                      for n, (i, v) in on_host.items()], args.repeats, device,
         )
+        del targets, staged, on_device, on_host
         # The whole replica update through the store, against copying every weight from host memory.
         updates, parts = [], []
         for version in range(1, update_rounds + 1):
@@ -517,7 +534,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             profile_stage("whole update", subscriber.update, device, profiles, prepare=next_version)
             assert subscriber.version == publisher.version
         host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+        flat_dst = torch.empty(numel, dtype=torch.bfloat16, device=device)
         t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
+        del host, flat_dst
         exact = rank_exact and all(
             torch.equal(replica[n].view(torch.int16), model.masters[n].to(torch.bfloat16).view(torch.int16))
             for n in replica
@@ -575,6 +594,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_change": delta_bytes / nnz,
         "weight_bytes": weight_bytes,
         "anchor_bytes": anchor_bytes,
+        "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "exact": exact,
         "stages": rows,
     }
@@ -628,6 +648,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{result['changes']:,} changes ({100 * result['density']:.2f} %) "
           f"in {human_bytes(result['delta_bytes'])} ({result['bytes_per_change']:.2f} B/change), "
           f"exact: {result['exact']}")
+    if result["device_peak_bytes"] is not None:
+        print(f"device memory at the most: {human_bytes(result['device_peak_bytes'])} "
+              f"({result['device_peak_bytes'] / result['weight_bytes']:.1f}x the bf16 weights)")
     print(table(rows, ["stage", "deltasync", "floor", "ratio", ""]))
     print(f"wrote {path}")
     return result

@@ -147,3 +147,35 @@ class TestWhereItHolds:
         assert during and not any(during) and gc.isenabled()
         for name, tensor in masters.items():
             assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+
+
+class TestNoCyclesHoldWeights:
+    """A trainer's publisher or a replica's subscriber and applier, once dropped, free the weights they held by
+    reference counting: a GPU replica replaced after an error must not hold a second copy of the model until
+    the cycle collector happens to run (and the collector is held off during every decode)."""
+
+    @pytest.mark.parametrize("stage", [False, True], ids=["host-path", "device-path"])
+    def test_dropped_publisher_subscriber_and_applier_free_their_tensors(self, stage: bool) -> None:
+        import weakref
+
+        masters = weights(tensors=4)
+        store = MemoryStore("drop")
+        gc.disable()  # only reference counting frees anything below
+        publisher = Publisher(masters, store, anchor_every=10)
+        publisher.publish(0, block=True)
+        stepped(masters)
+        publisher.publish(1, block=True)
+        publisher.close()
+        snapshot = weakref.ref(next(iter(publisher._snapshot._tensors.values())))
+        del publisher
+        assert snapshot() is None
+        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
+        held = weakref.ref(replica["layers.0.weight"])
+        applier = TorchModuleApplier(replica, stage=stage)
+        assert (applier.on_device is applier) == stage and applier.lookup.flat is not None
+        with Subscriber(store, applier) as subscriber:
+            assert subscriber.update() is not None
+        assert torch.equal(replica["layers.0.weight"].view(torch.int16),
+                           masters["layers.0.weight"].to(torch.bfloat16).view(torch.int16))
+        del subscriber, applier, replica
+        assert held() is None

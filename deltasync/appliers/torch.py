@@ -60,15 +60,23 @@ class TorchModuleApplier:
         self._tensors = dict(published_tensors(target))
         self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
         self.fingerprint = fingerprint(self.specs.values())
-        accelerated = stage or any(t.device.type != "cpu" for t in self._tensors.values())
-        self.lookup = FlatLookup(self._read, self._flat)
+        self._accelerated = stage or any(t.device.type != "cpu" for t in self._tensors.values())
+
+    # Both made on access, not kept: an attribute that referred back to this applier would keep it, and
+    # the weights, alive after its last user dropped it, until Python's cycle collector next ran.
+    @property
+    def lookup(self) -> FlatLookup:
         """The published bit patterns these tensors hold now, read only: ``lookup(name, indices)`` at flat
         indices, the base a delta is decoded against (``decode(data, base=applier.lookup)``); where a tensor is
         held whole on the CPU the host decoder reads it in place (:class:`~deltasync.codec.base.FlatLookup`)."""
-        self.on_device: DeviceReader | None = self if accelerated else None
-        """Set (to this applier) when some tensor is on an accelerator, or with ``stage``: the decoder then
-        rebuilds ``compact`` patches on the weights' device (:mod:`deltasync.codec.device`), with one host
+        return FlatLookup(self._read, self._flat)
+
+    @property
+    def on_device(self) -> DeviceReader | None:
+        """This applier when some tensor is on an accelerator, or with ``stage`` (else ``None``): the decoder
+        then rebuilds ``compact`` patches on the weights' device (:mod:`deltasync.codec.device`), with one host
         wait per file instead of a read of the replica per tensor, and leaves them there."""
+        return self if self._accelerated else None
 
     def validate(self, header: Header) -> None:
         """Refuse a file that does not fit these tensors, before anything is decoded.
