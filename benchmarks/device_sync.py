@@ -332,6 +332,86 @@ def profile_stage(
     stem.with_suffix(".txt").write_text("\n\n".join(tables))
 
 
+def copy_floor(numel: int, device: torch.device, repeats: int, *, from_host: bool) -> dict[str, float]:
+    """One copy of every weight as one flat bf16 tensor onto ``device``: from another there, or from (pinned)
+    host memory. The two buffers are the stage's own, dropped on return, and written before (on a CPU, memory
+    never written reads as one shared page of zeros, faster than any weights)."""
+    dst = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+    if from_host:
+        src = torch.ones(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    else:
+        src = torch.ones_like(dst)
+    return spread(lambda: dst.copy_(src, non_blocking=from_host), repeats, device)
+
+
+def diff_stage(
+    model: Model | Checkpoints, density: float, repeats: int, device: torch.device, profiles: Path | None
+) -> tuple[dict[str, dict[str, Any]], int, bytes]:
+    """One step of ``model``, diffed on the training thread and on the device path against the floor; its
+    rows, its changed elements and its delta (default codec). The snapshot is the stage's own."""
+    snapshot = Snapshot.capture(model.masters)
+    nnz = model.step(density)
+    t_diff = spread(lambda: diff(snapshot, model.masters), repeats, device)
+    t_floor = spread(lambda: floor_diff(model, snapshot), repeats, device)
+    t_device = spread(lambda: diff(snapshot, model.masters, on_device=True), repeats, device)
+    waits = host_waits()
+    changes = diff(snapshot, model.masters, on_device=True)
+    waits = host_waits() - waits
+    chunks = sum(-(-t.numel() // DEVICE_CHUNK) for t in model.masters.values())
+    assert changes.nnz == nnz, (changes.nnz, nnz)
+    changes = diff(snapshot, model.masters)
+    assert changes.nnz == nnz, (changes.nnz, nnz)
+    data = encode_delta(changes, version=1, base_version=0)
+    if profiles:
+        profile_stage("diff", lambda: diff(snapshot, model.masters), device, profiles)
+    rows = {
+        "diff": {"deltasync": t_diff["median"], "floor": t_floor["median"], "spread": [t_diff, t_floor]},
+        "diff, device path": {"deltasync": t_device["median"], "floor": t_floor["median"], "host_waits": waits,
+                              "tensors": len(model.masters), "chunks": chunks, "spread": [t_device, t_floor]},
+    }
+    return rows, nnz, data
+
+
+def rank_stage(
+    weights: dict[str, torch.Tensor], data: bytes, masters: dict[str, torch.Tensor], repeats: int,
+    device: torch.device,
+) -> tuple[dict[str, float], int, dict[str, float], bool]:
+    """A vLLM engine of one rank holding a copy of ``weights``: its worker decodes the file against them, read
+    through its map (the device path, as on a GPU), then writes the patches and reads a sample back. The
+    decode's and the write's times, the decode's host waits, and whether the rank ended equal to
+    ``masters``."""
+    index = rank_map({n: t.clone() for n, t in weights.items()})
+    t_decode = spread(lambda: decode_here(index, [data], whole=False, on_device=True), repeats, device)
+    waits = device_decode.host_waits()
+    patches = decode_here(index, [data], whole=False, on_device=True)
+    waits = device_decode.host_waits() - waits
+    t_apply = spread(lambda: (write_patches(index, patches), check_written(index, patches)), repeats, device)
+    exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+                for n, t in masters.items())
+    return t_decode, waits, t_apply, exact
+
+
+def apply_floors(
+    replica: dict[str, torch.Tensor], patches: dict[str, Any], repeats: int, device: torch.device
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Torch's two scatter kernels writing ``patches`` (decoded on the host) into a copy of ``replica``, their
+    indices and values already on the device (which kernel is faster depends on the device and the density:
+    ``tensors.write_at``), and ``index_copy_`` with their copy from (pinned) host memory on the way."""
+    targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
+    there = {n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
+             for n, p in patches.items()}
+    t_copy = spread(lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in there.items()], repeats, device)
+    t_put = spread(lambda: [targets[n].index_put_((i,), v) for n, (i, v) in there.items()], repeats, device)
+    host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in patches.items()}
+    if device.type == "cuda":
+        host = {n: (i.pin_memory(), v.pin_memory()) for n, (i, v) in host.items()}
+    t_with_copy = spread(
+        lambda: [targets[n].index_copy_(0, i.to(device, non_blocking=True), v.to(device, non_blocking=True))
+                 for n, (i, v) in host.items()], repeats, device,
+    )
+    return t_copy, t_put, t_with_copy
+
+
 def rank_map(weights: dict[str, torch.Tensor]) -> IndexMap:
     """The index map of a vLLM rank that holds every tensor whole, each in a parameter of its own."""
     return IndexMap.whole({name: torch.nn.Parameter(tensor, requires_grad=False) for name, tensor in weights.items()})
@@ -364,10 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # Every copy of the weights a stage needs is made for it and dropped after it (device memory:
         # about the masters and five copies of the bf16 weights at the most; see the module's docstring).
-        flat_src = torch.empty(numel, dtype=torch.bfloat16, device=device)
-        flat_dst = torch.empty_like(flat_src)
-        copy_all = spread(lambda: flat_dst.copy_(flat_src), args.repeats, device)
-        del flat_src, flat_dst
+        copy_all = copy_floor(numel, device, args.repeats, from_host=False)
         # The store floor's bytes: as many as the anchor's parts (the weights and small headers), memory touched.
         floor_bytes = weight_bytes + (16 << 20)
         floor_buffers = (torch.ones(floor_bytes, dtype=torch.uint8),
@@ -409,22 +486,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         subscriber = Subscriber(str(root / "run"), TorchModuleApplier(replica))
         subscriber.update()
         # One step's change set: diff, encode, decode, apply, each against its floor.
-        snapshot = Snapshot.capture(model.masters)
-        nnz = model.step(args.density)
-        t_diff = spread(lambda: diff(snapshot, model.masters), args.repeats, device)
-        t_floor_diff = spread(lambda: floor_diff(model, snapshot), args.repeats, device)
-        t_diff_device = spread(lambda: diff(snapshot, model.masters, on_device=True), args.repeats, device)
-        waits = host_waits()
-        changes = diff(snapshot, model.masters, on_device=True)
-        waits = host_waits() - waits
-        chunks = sum(-(-t.numel() // DEVICE_CHUNK) for t in model.masters.values())
-        assert changes.nnz == nnz, (changes.nnz, nnz)
-        changes = diff(snapshot, model.masters)
-        assert changes.nnz == nnz, (changes.nnz, nnz)
-        data = encode_delta(changes, version=1, base_version=0)
-        if profiles:
-            profile_stage("diff", lambda: diff(snapshot, model.masters), device, profiles)
-        del snapshot, changes  # the diff's copy of the weights: the decode stages have copies of their own
+        diff_rows, nnz, data = diff_stage(model, args.density, args.repeats, device, profiles)
+        rows.update(diff_rows)
         header = read_header(data)
         decoder = TorchModuleApplier({n: t.clone() for n, t in replica.items()})
 
@@ -469,45 +532,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_floor_decode = spread(floor_decode, args.repeats, device)
         with one_core():
             t_floor_decode_one = spread(floor_decode, args.repeats, device)
-        on_device = {
-            n: (torch.from_numpy(p.indices).to(device), torch.from_numpy(p.values).to(device))
-            for n, p in host_patches.items()
-        }
-        # A vLLM engine of one rank: its worker decodes the files against its weights read through its map
-        # (the device path, as on a GPU), then writes the patches and reads a sample back.
-        index = rank_map({n: t.clone() for n, t in decoder.state().items()})
-        t_rank_decode = spread(lambda: decode_here(index, [data], whole=False, on_device=True), args.repeats, device)
-        rank_waits = device_decode.host_waits()
-        rank_patches = decode_here(index, [data], whole=False, on_device=True)
-        rank_waits = device_decode.host_waits() - rank_waits
-        t_rank_apply = spread(lambda: (write_patches(index, rank_patches), check_written(index, rank_patches)),
-                              args.repeats, device)
-        rank_exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16),
-                                     t.to(torch.bfloat16).view(torch.int16)) for n, t in model.masters.items())
-        del index, rank_patches
-        targets = {n: t.clone().view(-1).view(torch.int16) for n, t in replica.items()}
+        t_rank_decode, rank_waits, t_rank_apply, rank_exact = rank_stage(
+            decoder.state(), data, model.masters, args.repeats, device)
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
         if profiles:  # after its timed runs: the decode above left the replica as it was
             profile_stage("apply", lambda: decoder.apply(patches), device, profiles)
         # The path of patches decoded on the host (other codecs) into tensors on an accelerator.
         staged = TorchModuleApplier(decoder.state(), stage=True)
         t_apply_staged = spread(lambda: staged.apply(host_patches), args.repeats, device)
-        # Torch's two scatter kernels: which is faster depends on the device and the density (tensors.write_at).
-        t_floor_copy = spread(
-            lambda: [targets[n].index_copy_(0, i, v) for n, (i, v) in on_device.items()], args.repeats, device
-        )
-        t_floor_put = spread(
-            lambda: [targets[n].index_put_((i,), v) for n, (i, v) in on_device.items()], args.repeats, device
-        )
+        t_floor_copy, t_floor_put, t_floor_h2d_apply = apply_floors(replica, host_patches, args.repeats, device)
         t_floor_apply = min(t_floor_copy, t_floor_put, key=lambda t: t["median"])
-        on_host = {n: (torch.from_numpy(p.indices), torch.from_numpy(p.values)) for n, p in host_patches.items()}
-        if device.type == "cuda":
-            on_host = {n: (i.pin_memory(), v.pin_memory()) for n, (i, v) in on_host.items()}
-        t_floor_h2d_apply = spread(
-            lambda: [targets[n].index_copy_(0, i.to(device, non_blocking=True), v.to(device, non_blocking=True))
-                     for n, (i, v) in on_host.items()], args.repeats, device,
-        )
-        del targets, staged, on_device, on_host
         # The whole replica update through the store, against copying every weight from host memory.
         updates, parts = [], []
         for version in range(1, update_rounds + 1):
@@ -533,21 +567,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             profile_stage("whole update", subscriber.update, device, profiles, prepare=next_version)
             assert subscriber.version == publisher.version
-        host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
-        flat_dst = torch.empty(numel, dtype=torch.bfloat16, device=device)
-        t_full_copy = spread(lambda: flat_dst.copy_(host, non_blocking=True), args.repeats, device)
-        del host, flat_dst
+        t_full_copy = copy_floor(numel, device, args.repeats, from_host=True)
         exact = rank_exact and all(
             torch.equal(replica[n].view(torch.int16), model.masters[n].to(torch.bfloat16).view(torch.int16))
             for n in replica
         )
         publisher.close()
         delta_bytes = len(data)
-        rows["diff"] = {"deltasync": t_diff["median"], "floor": t_floor_diff["median"],
-                        "spread": [t_diff, t_floor_diff]}
-        rows["diff, device path"] = {"deltasync": t_diff_device["median"], "floor": t_floor_diff["median"],
-                                     "host_waits": waits, "tensors": len(model.masters), "chunks": chunks,
-                                     "spread": [t_diff_device, t_floor_diff]}
         floors = {"floor": t_floor_decode["median"], "floor_decompress": t_floor_decompress["median"]}
         rows["decode"] = {"deltasync": t_decode["median"], **floors,
                           "changes_per_s": nnz / t_decode["median"], "threads": threads,
