@@ -124,6 +124,26 @@ def test_a_cpu_replica_is_read_in_place_by_the_rebuild(codec: str) -> None:
         assert torch.equal(held[name].to(torch.bfloat16).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
 
 
+def test_the_device_path_reads_every_layout_of_a_replica_into_its_buffer() -> None:
+    """On the device path each tensor's bases are read straight into their place in the batch's buffer: in
+    place from a tensor held whole in the published dtype, and through a copy from a transposed one or one
+    held in fp32. The patches are bit for bit the host path's, and the replica ends at the trainer's bits."""
+    old, new, data = three_tensors_stepped(3, "compact")
+    held = {"a": old["a"].to(torch.bfloat16), "b": old["b"].to(torch.bfloat16).t().contiguous().t(),
+            "c": old["c"].clone()}
+    replica = TorchModuleApplier(held, stage=True)
+    _, patches = decode(data, base=replica.lookup, on_device=replica.on_device)
+    _, host = decode(data, base=TorchModuleApplier({n: t.clone() for n, t in held.items()}).lookup)
+    assert sorted(patches) == ["a", "b", "c"]
+    for name, patch in host.items():
+        assert isinstance(patches[name].values, torch.Tensor)
+        np.testing.assert_array_equal(patches[name].indices.numpy(), patch.indices)
+        np.testing.assert_array_equal(patches[name].values.numpy(), patch.values)
+    replica.apply(patches)
+    for name, t in new.items():
+        assert torch.equal(held[name].to(torch.bfloat16).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+
+
 def test_a_cpu_replica_writes_with_the_compiled_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor held whole on the CPU in the published dtype takes its patch through ``kernels.put``; a
     transposed or wider one through torch. Every tensor ends bit-exact and its version counter moves, so

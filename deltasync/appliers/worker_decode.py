@@ -123,8 +123,9 @@ class MapReader:
             raise TensorMismatch(f"{name}: {_MISSING}", name=name)
         return targets[0].param.data.device
 
-    def gather(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds), on :meth:`device_of`'s device."""
+    def gather(self, name: str, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds), on :meth:`device_of`'s device (into
+        ``out`` where given)."""
         published = self._index.specs[name].torch_dtype
         device = self.device_of(name)
         bits: torch.Tensor | None = None
@@ -141,7 +142,7 @@ class MapReader:
         assert bits is not None
         if held is not None:
             self._missing.append((name, (~held).sum()))
-        return bits
+        return bits if out is None else out.copy_(bits)
 
     def check_held(self) -> None:
         """Refuse if some read asked for an element this rank does not hold.
