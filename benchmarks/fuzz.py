@@ -6,6 +6,9 @@ mutated inputs through the code that reads them, the way a replica does:
 - ``decode``: :func:`deltasync.format.decode` alone (no receiver, no base);
 - ``receiver``: ``read_header`` -> ``TorchModuleApplier.validate`` ->
   ``decode(base=applier.lookup)``, the subscriber's order;
+- ``device``: the same for a replica on an accelerator (``TorchModuleApplier(stage=True)``: the
+  device path's code, here on CPU tensors), whose ``compact`` tensors are checked, inflated and rebuilt
+  with torch ops where the weights live;
 - ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
   ``plan_retention`` (what a replica and a publisher do with it next);
@@ -345,6 +348,18 @@ def run_receiver(data: bytes, applier: TorchModuleApplier, rng: random.Random) -
     decode(data, base=applier.lookup, header=header)
 
 
+_STAGED: dict[int, TorchModuleApplier] = {}
+
+
+def run_device(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> None:
+    staged = _STAGED.get(id(applier))
+    if staged is None:  # the same weights, taken by the device path (it only reads them here)
+        staged = _STAGED[id(applier)] = TorchModuleApplier(applier.state(), stage=True)
+    header = read_header(data)
+    staged.validate(header)
+    decode(data, base=staged.lookup, header=header, on_device=staged.on_device)
+
+
 def run_object(data: bytes, applier: Any, rng: random.Random) -> None:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     size = min(8 + length, len(data))
@@ -363,6 +378,7 @@ def run_manifest(data: bytes, applier: Any, rng: random.Random) -> None:
 TARGETS: dict[str, tuple[Callable[..., None], Callable[[random.Random, list[bytes]], tuple[str, bytes]]]] = {
     "decode": (run_decode, mutate_file),
     "receiver": (run_receiver, mutate_file),
+    "device": (run_device, mutate_file),
     "manifest": (run_manifest, mutate_manifest),
     "object": (run_object, mutate_file),
 }

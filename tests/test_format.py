@@ -798,6 +798,16 @@ class TestPackedHeader:
         with pytest.raises(DeltaFormatError, match="at most"):
             read_header(_with_header_text(data, forge))
 
+    @pytest.mark.parametrize("shape", [{}, "", [-1, -1], [True], None], ids=["dict", "text", "negative", "bool", "null"])
+    def test_an_entry_whose_shape_is_not_a_list_of_sizes_is_refused(self, shape: Any) -> None:
+        """A one-byte entry whose shape is ``{}`` or ``""`` unpacks to no dimensions (a product of 1): found by
+        the fuzzer in a packed table, where it reached ``reshape`` with a dict."""
+        from deltasync.format.layout import entry_span
+
+        assert entry_span({"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, 1, "t::idx") == (0, 1)
+        with pytest.raises(DeltaFormatError, match="impossible type, shape or byte range"):
+            entry_span({"dtype": "U8", "shape": shape, "data_offsets": [0, 1]}, 1, "t::idx")
+
     def test_streams_that_overlap_are_refused(self) -> None:
         data, base, _ = make_delta()
         forged = _with_table_text(data, lambda t: t.replace('"data_offsets":[0,', '"data_offsets":[1,', 1))

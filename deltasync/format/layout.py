@@ -73,7 +73,9 @@ def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[
         dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
         start, stop = info["data_offsets"]  # type: ignore[index]
         shape = info["shape"]  # type: ignore[index]
-        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape))
+        ok = isinstance(shape, list) and all(  # a list: "{}" or "" would unpack to no dimensions at all
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape)
+        )
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok or not start <= stop <= body or stop - start != math.prod(shape) * dtype.itemsize:
