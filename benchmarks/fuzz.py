@@ -9,6 +9,9 @@ mutated inputs through the code that reads them, the way a replica does:
 - ``device``: the same for a replica on an accelerator (``TorchModuleApplier(stage=True)``: the
   device path's code, here on CPU tensors), whose ``compact`` tensors are checked, inflated and rebuilt
   with torch ops where the weights live;
+- ``rank``: what the worker of a one-rank vLLM engine does with a version's files
+  (``worker_decode.decode_here`` against its weights read through its index map), on the host path
+  and the device path in turn, with no header check before it (the worker's own checks alone);
 - ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
   ``plan_retention`` (what a replica and a publisher do with it next);
@@ -60,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
+from deltasync.appliers.mapping import IndexMap  # noqa: E402
+from deltasync.appliers.worker_decode import decode_here  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.digests import hexdigest  # noqa: E402
 from deltasync.errors import DeltaSyncError, IntegrityError  # noqa: E402
@@ -360,6 +365,17 @@ def run_device(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> 
     decode(data, base=staged.lookup, header=header, on_device=staged.on_device)
 
 
+_RANKS: dict[int, IndexMap] = {}
+
+
+def run_rank(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> None:
+    index = _RANKS.get(id(applier))
+    if index is None:  # a rank that holds a copy of the same weights, each in a parameter of its own
+        index = _RANKS[id(applier)] = IndexMap.whole(
+            {n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in applier.state().items()})
+    decode_here(index, [data], whole=read_header(data).kind == "anchor", on_device=rng.random() < 0.5)
+
+
 def run_object(data: bytes, applier: Any, rng: random.Random) -> None:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     size = min(8 + length, len(data))
@@ -379,6 +395,7 @@ TARGETS: dict[str, tuple[Callable[..., None], Callable[[random.Random, list[byte
     "decode": (run_decode, mutate_file),
     "receiver": (run_receiver, mutate_file),
     "device": (run_device, mutate_file),
+    "rank": (run_rank, mutate_file),
     "manifest": (run_manifest, mutate_manifest),
     "object": (run_object, mutate_file),
 }
