@@ -12,6 +12,9 @@ mutated inputs through the code that reads them, the way a replica does:
 - ``rank``: what the worker of a one-rank vLLM engine does with a version's files
   (``worker_decode.decode_here`` against its weights read through its index map), on the host path
   and the device path in turn, with no header check before it (the worker's own checks alone);
+- ``ranged``: a rank that holds some tensors reading only those (``ranged.fetch_tensors`` of a random
+  selection from a store, the header pinned by its hash as the manifest would, each tensor checked
+  against its digest), then the fetcher's checks and decode of what came back;
 - ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
   ``plan_retention`` (what a replica and a publisher do with it next);
@@ -70,7 +73,10 @@ from deltasync.digests import hexdigest  # noqa: E402
 from deltasync.errors import DeltaSyncError, IntegrityError  # noqa: E402
 from deltasync.format import decode, encode_anchor, encode_delta, read_header  # noqa: E402
 from deltasync.format.check import intact_by_entries  # noqa: E402
-from deltasync.manifest import Manifest, plan_retention, plan_route  # noqa: E402
+from deltasync.format.decode import decode_entries  # noqa: E402
+from deltasync.manifest import Manifest, ObjectRef, plan_retention, plan_route  # noqa: E402
+from deltasync.ranged import fetch_tensors  # noqa: E402
+from deltasync.stores import MemoryStore  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 ESCAPES = RESULTS / "fuzz-escapes"
@@ -376,6 +382,20 @@ def run_rank(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> No
     decode_here(index, [data], whole=read_header(data).kind == "anchor", on_device=rng.random() < 0.5)
 
 
+_RANGED = MemoryStore("fuzz-ranged")
+
+
+def run_ranged(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> None:
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    size = min(8 + length, len(data))  # the header's bytes, pinned as a writer would (reached past the hash)
+    key = "deltas/0000000001-0a1b2c3d.safetensors"
+    _RANGED.put(key, data)
+    ref = ObjectRef(key, len(data), hexdigest([data], "blake3"), header=(size, hexdigest([data[:size]], "blake3")))
+    fetched = fetch_tensors(_RANGED, ref, lambda name: rng.random() < 0.5, gap=rng.choice([0, 64, 1 << 20]))
+    applier.validate(fetched.header)
+    decode_entries(fetched.header, fetched.entries, base=applier.lookup, names=fetched.names)
+
+
 def run_object(data: bytes, applier: Any, rng: random.Random) -> None:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     size = min(8 + length, len(data))
@@ -396,6 +416,7 @@ TARGETS: dict[str, tuple[Callable[..., None], Callable[[random.Random, list[byte
     "receiver": (run_receiver, mutate_file),
     "device": (run_device, mutate_file),
     "rank": (run_rank, mutate_file),
+    "ranged": (run_ranged, mutate_file),
     "manifest": (run_manifest, mutate_manifest),
     "object": (run_object, mutate_file),
 }
