@@ -44,8 +44,9 @@ def write_ack(store: Store, replica_id: str, body: dict[str, Any]) -> None:
 
 
 def read_acks(store: Store) -> list[dict[str, Any]]:
-    """Every replica's latest ack (unreadable acks are skipped)."""
-    return [ack for _, ack in _acks(store) if ack is not None]
+    """Every replica's latest ack (unreadable acks, and JSON that is not an object, are skipped: acks are written
+    by replicas, and a trainer waiting on them must not fail on one)."""
+    return [ack for _, ack in _acks(store) if isinstance(ack, dict)]
 
 
 def stale_acks(store: Store, run_id: str, *, now: float, ttl: float = ACK_TTL_S) -> list[ObjectInfo]:

@@ -139,6 +139,28 @@ class TestCallback:
         logged = [h for h in trainer.state.log_history if "deltasync/wait_s" in h]
         assert logged and all(h["deltasync/replica_version"] >= 1 for h in logged)
 
+    def test_acks_that_are_not_objects_do_not_stop_the_trainer(self, tmp_path: Path) -> None:
+        """Acks are written by replicas: a list, a string, a number or a version that is not an integer is
+        passed over, and the wait goes on with the acks that can be read."""
+        import json
+
+        import transformers
+
+        from deltasync.integrations import DeltaSyncCallback
+
+        store = str(tmp_path / "run")
+        callback = DeltaSyncCallback(store, sync="on_policy", wait_timeout=5)
+        state = transformers.TrainerState()
+        callback.on_train_begin(None, state, None, model=Tiny())
+        run_id = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY)).run_id
+        acks = {"list": [1, 2], "text": "r", "number": 3, "bool": {"replica": "b", "version": True, "run_id": run_id},
+                "good": {"replica": "good", "version": 0, "run_id": run_id}}
+        for name, body in acks.items():
+            open_store(store).put(f"acks/{name}.json", json.dumps(body).encode())
+        assert callback.replica_versions() == {"good": 0}
+        callback.wait_for(0)
+        callback.on_train_end(None, state, None)
+
     def test_on_policy_without_replica_times_out(self, tmp_path: Path) -> None:
         import transformers
 

@@ -356,10 +356,10 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             return {f"server:{url}": _server_version(url, run_id) for url in self.servers}
         assert self.publisher is not None
         run_id = self._current_run_id()
-        acks = {
+        acks = {  # fields checked: replicas write them
             str(a.get("replica")): a.get("version")
             for a in read_acks(self.publisher.store)
-            if a.get("run_id") == run_id and isinstance(a.get("version"), int)
+            if a.get("run_id") == run_id and type(a.get("version")) is int
         }
         if self.replicas is not None:
             return {rid: acks.get(rid) for rid in self.replicas}
