@@ -351,6 +351,41 @@ def test_server_version_labels_are_tied_to_the_run() -> None:
     assert parse_version_label("default", run) is None and parse_version_label(None, run) is None
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"[1, 2]", b'"7"', b"7", b"[" * 100_000 + b"]" * 100_000, b'{"weight_version": "' + b"9" * (2 << 20) + b'"}',
+     b'{"weight_version": ["7"]}', b"not json"],
+    ids=["list", "text", "number", "deep", "huge", "label-not-text", "not-json"],
+)
+def test_a_server_answer_that_is_not_a_version_reads_as_none(body: bytes) -> None:
+    """The trainer waits on what a server's /weight_info says; an answer of another shape reads as "no version
+    yet" (the wait goes on, then times out with its hint), never as an error in the training step."""
+    import http.server
+    import threading
+
+    from deltasync.integrations.trl import _server_version
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _server_version(url, "3f1d2c4b5a6e7788") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @needs_transformers
 def test_resume_from_checkpoint_publishes_the_restored_weights(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A trainer that saved at step 2 got to step 4; a new one resumes from checkpoint-2 (with takeover=True,

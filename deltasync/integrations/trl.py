@@ -101,6 +101,7 @@ WAIT_TIMEOUT_S = 600.0  # an engine start plus an anchor apply fit well inside; 
 POLL_FIRST_S = 0.05  # replicas apply a 135M delta in ~35 ms: the first re-check comes about then
 POLL_MAX_S = 0.5  # cap: at most two reads a second of /weight_info or the acks while waiting
 HTTP_TIMEOUT_S = 10.0
+MAX_INFO_BYTES = 1 << 20  # a server's /weight_info answer is a few dozen bytes
 
 Sync = Literal["async", "on_policy"]
 
@@ -464,14 +465,16 @@ def _lowest(seen: dict[str, int | None], at_least: int | None) -> int | None:
 
 
 def _server_version(url: str, run_id: str | None) -> int | None:
-    """The version a vLLM server holds of run ``run_id``, from the label the follower sets."""
+    """The version a vLLM server holds of run ``run_id``, from the label the follower sets; ``None`` for an
+    answer that says none (or is not the object a server sends: the trainer waits on, never fails on, it)."""
     from ..appliers.vllm_follower import parse_version_label
 
     try:
         with urllib.request.urlopen(f"{url}/weight_info", timeout=HTTP_TIMEOUT_S) as response:
-            label = json.loads(response.read()).get("weight_version")
-    except (urllib.error.URLError, OSError, ValueError):
+            info = json.loads(response.read(MAX_INFO_BYTES + 1))  # longer than any answer: cut, so not JSON
+    except (urllib.error.URLError, OSError, ValueError, RecursionError):  # RecursionError: nested too deep
         return None
+    label = info.get("weight_version") if isinstance(info, dict) else None
     return parse_version_label(label, run_id)  # None: nothing applied yet, or another run's version
 
 
