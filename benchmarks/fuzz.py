@@ -15,6 +15,7 @@ mutated inputs through the code that reads them, the way a replica does:
 - ``ranged``: a rank that holds some tensors reading only those (``ranged.fetch_tensors`` of a random
   selection from a store, the header pinned by its hash as the manifest would, each tensor checked
   against its digest), then the fetcher's checks and decode of what came back;
+- ``inspect``: what ``deltasync inspect`` makes of a file (``cli.inspect.describe``): anyone's file;
 - ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
   ``plan_retention`` (what a replica and a publisher do with it next);
@@ -68,6 +69,7 @@ from _common import RESULTS, machine, write_json  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.appliers.mapping import IndexMap  # noqa: E402
 from deltasync.appliers.worker_decode import decode_here  # noqa: E402
+from deltasync.cli.inspect import describe  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.digests import hexdigest  # noqa: E402
 from deltasync.errors import DeltaSyncError, IntegrityError  # noqa: E402
@@ -396,6 +398,10 @@ def run_ranged(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> 
     decode_entries(fetched.header, fetched.entries, base=applier.lookup, names=fetched.names)
 
 
+def run_inspect(data: bytes, applier: Any, rng: random.Random) -> None:
+    describe(read_header(data), data)
+
+
 def run_object(data: bytes, applier: Any, rng: random.Random) -> None:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     size = min(8 + length, len(data))
@@ -417,6 +423,7 @@ TARGETS: dict[str, tuple[Callable[..., None], Callable[[random.Random, list[byte
     "device": (run_device, mutate_file),
     "rank": (run_rank, mutate_file),
     "ranged": (run_ranged, mutate_file),
+    "inspect": (run_inspect, mutate_file),
     "manifest": (run_manifest, mutate_manifest),
     "object": (run_object, mutate_file),
 }

@@ -86,6 +86,28 @@ class TestInspect:
         assert result.returncode == 2
         assert "DeltaFormatError" in result.stderr and "JSON" in result.stderr
 
+    @pytest.mark.parametrize("offsets", [None, [0], "0-9", [9, 0], [0, 1 << 40]], ids=["none", "one", "text", "reversed", "past-end"])
+    def test_an_entry_with_impossible_offsets_is_a_clear_error(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], offsets: Any
+    ) -> None:
+        """The sizes per tensor come from each entry's byte range: one that is missing, malformed or past the
+        file is the typed refusal a replica would give, not a traceback."""
+        import struct
+
+        data = (GOLDEN / "delta_v1_compact.safetensors").read_bytes()
+        length = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + length])
+        entry = next(k for k in header if k != "__metadata__")
+        if offsets is None:
+            del header[entry]["data_offsets"]
+        else:
+            header[entry]["data_offsets"] = offsets
+        text = json.dumps(header).encode()
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+        assert main(["inspect", str(bad)]) == 2
+        assert "DeltaFormatError" in capsys.readouterr().err
+
     def test_missing_file(self, tmp_path: Path) -> None:
         result = run("inspect", str(tmp_path / "nope"))
         assert result.returncode == 2 and "No such file" in result.stderr

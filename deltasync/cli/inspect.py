@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeltaFormatError, StoreError
-from ..format import Header, raw_header, read_header
+from ..format import Header, entry_span, raw_header, read_header
 from .common import Column, print_json, print_table
 
 __all__ = ["describe"]
@@ -45,12 +45,14 @@ def _read_local(path: Path) -> bytes:
 
 
 def _part_sizes(data: bytes) -> dict[str, int]:
+    """Bytes per tensor, from its entries' ranges (each checked: a file to inspect may be anyone's)."""
     sizes: dict[str, int] = {}
+    body = len(data) - 8 - int.from_bytes(data[:8], "little")
     for key, entry in raw_header(data).items():
         if key == "__metadata__":
             continue
         name = key.split("::", 1)[0]
-        start, end = entry["data_offsets"]
+        start, end = entry_span(entry, body, key)
         sizes[name] = sizes.get(name, 0) + end - start
     return sizes
 
