@@ -409,7 +409,7 @@ def test_resume_from_checkpoint_publishes_the_restored_weights(tmp_path: Path, c
 
     torch.manual_seed(0)
     first = make(Tiny(), 4)
-    callback = DeltaSyncCallback(store).attach(first)
+    DeltaSyncCallback(store).attach(first)
     first.train()
     assert last_committed(store).step == 4  # it got to step 4; the run is resumed from its step-2 checkpoint
 

@@ -80,13 +80,13 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from ..resume import last_committed
 from ..errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ..lora import LORA_NAME, LoraMode, LoraWeights, publishable
-from ..peft import is_peft_model
 from ..manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ..options import check_int, check_number
+from ..peft import is_peft_model
 from ..publisher import Publisher, PublishInfo
+from ..resume import last_committed
 from ..stores import Store
 from ..subscriber import read_acks
 from .distributed import Gathered, NotGathered, fsdp1_gathered, sharding_of, zero3_gathered
