@@ -27,6 +27,7 @@ Limitations:
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -102,9 +103,17 @@ class ServerEngine:
                 f"cannot reach {self.url}{path} ({exc.reason}); is the server up with VLLM_SERVER_DEV_MODE=1?",
                 url=self.url,
             ) from None
+        except (OSError, http.client.HTTPException) as exc:  # reached, then the answer timed out or broke off
+            raise DeltaSyncError(f"{self.url}{path}: the answer broke off ({exc})", url=self.url) from None
         if text:
             return raw.decode(errors="replace")
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except (ValueError, RecursionError):  # another service at this URL, or a proxy's error page
+            raise DeltaSyncError(
+                f"{self.url}{path} answered with something other than JSON ({raw[:60]!r}): is this URL a vLLM "
+                "server started with the deltasync worker extension?", url=self.url,
+            ) from None
 
     def wait_until_up(self, timeout: float, *, interval: float = 1.0, log: Any = None) -> None:
         """Wait for the server's ``/health`` to answer (a follower started beside a server still loading).
@@ -137,7 +146,11 @@ class ServerEngine:
     def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every worker through ``/collective_rpc``; one answer per rank."""
         answer = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
-        return list(answer["results"])
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise DeltaSyncError(f"{self.url}/collective_rpc answered without a list of results ({str(answer)[:80]}): "
+                                 "is this URL a vLLM server in dev mode (VLLM_SERVER_DEV_MODE=1)?", url=self.url)
+        return results
 
     def pause(self, mode: str) -> None:
         """``/pause?mode=...``: ``keep`` freezes the scheduler, ``wait`` / ``abort`` drain requests."""
