@@ -486,31 +486,6 @@ class TestServerAnswers:
     """A vLLM follower's URL may point at something else (another service, a proxy's error page) or a server
     that breaks off: every answer that is not the JSON a server sends is a typed refusal naming the URL."""
 
-    @staticmethod
-    @contextlib.contextmanager
-    def answering(body: bytes, length: int | None = None) -> Iterator[str]:
-        import http.server
-
-        class Answer(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the handler's name)
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body) if length is None else length))
-                self.end_headers()
-                self.wfile.write(body)  # with a longer Content-Length: the answer breaks off here
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}"
-        finally:
-            server.shutdown()
-            server.server_close()
-
     @pytest.mark.parametrize(
         ("body", "length", "match"),
         [(b"<html>502 Bad Gateway</html>", None, "other than JSON"), (b"[" * 100_000, None, "other than JSON"),
@@ -520,8 +495,9 @@ class TestServerAnswers:
     )
     def test_an_answer_that_is_not_json_is_a_typed_refusal(self, body: bytes, length: int | None, match: str) -> None:
         from deltasync.appliers.vllm_rpc import ServerEngine
+        from tests.http_helpers import answering
 
-        with self.answering(body, length) as url:
+        with answering(body, length) as url:
             with pytest.raises(DeltaSyncError, match=match) as caught:
                 ServerEngine(url, timeout=5).rpc("deltasync_version")
         assert url in str(caught.value)

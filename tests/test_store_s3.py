@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.server
 import os
 import pickle
-import threading
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ import pytest
 from deltasync.errors import ObjectNotFound, PreconditionFailed, StoreError
 from deltasync.stores import open_store
 from deltasync.stores.s3 import S3Store
+from tests.http_helpers import serving, url_of
 from tests.servers.s3 import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
 pytest.importorskip("obstore")
@@ -199,16 +199,8 @@ class _EchoCredentials(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def echo_server() -> Iterator[str]:
     """A loopback endpoint that echoes credentials (and the secret, as a broken proxy might)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoCredentials)
-    server.leak = SECRET_ACCESS_KEY  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(_EchoCredentials, leak=SECRET_ACCESS_KEY) as server:
+        yield url_of(server)
 
 
 class _FlakyThenServe(http.server.BaseHTTPRequestHandler):
@@ -241,15 +233,11 @@ class TestRetries:
         assert config["backoff"]["max_backoff"] == timedelta(seconds=8)
 
     def test_transient_failures_are_retried_by_the_client(self) -> None:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyThenServe)
-        server.seen, server.failures = 0, 2  # type: ignore[attr-defined]
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
+        with serving(_FlakyThenServe, seen=0, failures=2) as server:
             fast = {"backoff": {"init_backoff": timedelta(milliseconds=5), "max_backoff": timedelta(milliseconds=20)}}
             store = open_store(
                 "s3://bucket/p",
-                endpoint=f"http://127.0.0.1:{server.server_address[1]}",
+                endpoint=url_of(server),
                 allow_http=True,
                 access_key_id="a",
                 secret_access_key="b",
@@ -257,10 +245,6 @@ class TestRetries:
             )
             assert store.get("k") == _FlakyThenServe.BODY
             assert server.seen == 3  # type: ignore[attr-defined]
-        finally:
-            server.shutdown()
-            server.server_close()
-            thread.join()
 
 
 class TestSecrets:

@@ -360,30 +360,11 @@ def test_server_version_labels_are_tied_to_the_run() -> None:
 def test_a_server_answer_that_is_not_a_version_reads_as_none(body: bytes) -> None:
     """The trainer waits on what a server's /weight_info says; an answer of another shape reads as "no version
     yet" (the wait goes on, then times out with its hint), never as an error in the training step."""
-    import http.server
-    import threading
-
     from deltasync.integrations.trl import _server_version
+    from tests.http_helpers import answering
 
-    class Answer(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with answering(body) as url:
         assert _server_version(url, "3f1d2c4b5a6e7788") is None
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @needs_transformers
