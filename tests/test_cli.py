@@ -92,19 +92,17 @@ class TestInspect:
     ) -> None:
         """The sizes per tensor come from each entry's byte range: one that is missing, malformed or past the
         file is the typed refusal a replica would give, not a traceback."""
-        import struct
+        from tests.format_helpers import with_header
 
-        data = (GOLDEN / "delta_v1_compact.safetensors").read_bytes()
-        length = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8 : 8 + length])
-        entry = next(k for k in header if k != "__metadata__")
-        if offsets is None:
-            del header[entry]["data_offsets"]
-        else:
-            header[entry]["data_offsets"] = offsets
-        text = json.dumps(header).encode()
+        def edit(header: dict[str, Any]) -> None:
+            entry = header[next(k for k in header if k != "__metadata__")]
+            if offsets is None:
+                del entry["data_offsets"]
+            else:
+                entry["data_offsets"] = offsets
+
         bad = tmp_path / "bad.safetensors"
-        bad.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+        bad.write_bytes(with_header((GOLDEN / "delta_v1_compact.safetensors").read_bytes(), edit))
         assert main(["inspect", str(bad)]) == 2
         assert "DeltaFormatError" in capsys.readouterr().err
 

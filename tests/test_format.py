@@ -28,6 +28,7 @@ from deltasync.errors import (
     TensorMismatch,
 )
 from deltasync.format import decode, encode_anchor, encode_delta, file_entries, raw_header, read_header, serialize
+from tests.format_helpers import with_header, with_header_text
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -163,11 +164,7 @@ class TestEntries:
         from deltasync.format.decode import file_entries
 
         good = encode_anchor({"a": torch.zeros(8), "b": torch.ones(8)}, version=0)
-        header, body = raw_header(good), good[8 + struct.unpack("<Q", good[:8])[0] :]
-        edit(header)
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        bad = struct.pack("<Q", len(text)) + text + body
+        bad = with_header(good, edit)
         for buffer in (bytearray(bad), bad):
             with pytest.raises(DeltaFormatError):
                 file_entries(buffer)
@@ -428,15 +425,6 @@ def test_threads_decode_the_same_patches_and_raise_the_first_failure_in_file_ord
     assert parallel.map_shared(lambda x: x * 2, [3, 1, 2], [10**6, 1, 10**6], workers=2) == [6, 2, 4]
 
 
-def _with_header_text(data: bytes, edit: Any) -> bytes:
-    """The file with its safetensors header JSON text passed through ``edit`` (the body is untouched)."""
-    length = struct.unpack("<Q", data[:8])[0]
-    text = edit(data[8 : 8 + length].decode())
-    encoded = text.encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded + data[8 + length :]
-
-
 def _with_table_text(data: bytes, edit: Any) -> bytes:
     """A packed delta with the JSON text of its tensor table passed through ``edit``, packed again."""
     def repack(text: str) -> str:
@@ -447,7 +435,7 @@ def _with_table_text(data: bytes, edit: Any) -> bytes:
         header["__metadata__"]["tensors_zstd"] = base64.b64encode(frame).decode()
         return json.dumps(header, separators=(",", ":"))
 
-    return _with_header_text(data, repack)
+    return with_header_text(data, repack)
 
 
 def _small_delta(*, packed: bool = True) -> bytes:
@@ -473,7 +461,7 @@ def test_metadata_integers_have_one_spelling(spelling: str) -> None:
     """"7" is the only way to write 7: two parsers must never read two different versions."""
     data = _small_delta()
     assert read_header(data).version == 7
-    forged = _with_header_text(data, lambda t: t.replace('"version":"7"', f'"version":"{spelling}"'))
+    forged = with_header_text(data, lambda t: t.replace('"version":"7"', f'"version":"{spelling}"'))
     assert forged != data
     with pytest.raises(DeltaFormatError, match="decimal integer"):
         read_header(forged)
@@ -495,7 +483,7 @@ def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str,
         forged = _with_table_text(data, lambda t: t.replace(old.replace("\\", ""), new.replace("\\", ""), 1))
     else:
         data = _small_delta(packed=False)
-        forged = _with_header_text(data, lambda t: t.replace(old, new, 1))
+        forged = with_header_text(data, lambda t: t.replace(old, new, 1))
     assert forged != data and read_header(data).format_version == (4 if packed else 3)
     replica = TorchModuleApplier({"w": torch.zeros(64, dtype=torch.bfloat16)})
     with pytest.raises((DeltaFormatError, CodecError)):
@@ -504,7 +492,7 @@ def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str,
 
 def test_a_key_twice_in_the_safetensors_header_is_refused() -> None:
     data = _small_delta()
-    forged = _with_header_text(data, lambda t: t.replace('{"__metadata__"', '{"__metadata__":{},"__metadata__"', 1))
+    forged = with_header_text(data, lambda t: t.replace('{"__metadata__"', '{"__metadata__":{},"__metadata__"', 1))
     with pytest.raises(DeltaFormatError, match="twice"):
         read_header(forged)
 
@@ -745,7 +733,7 @@ class TestPackedHeader:
     def test_an_anchor_claiming_format_4_is_refused(self) -> None:
         base, _ = golden_weights()
         data = encode_anchor(base, version=1)
-        forged = _with_header_text(data, lambda t: t.replace('"format_version":"3"', '"format_version":"4"'))
+        forged = with_header_text(data, lambda t: t.replace('"format_version":"3"', '"format_version":"4"'))
         with pytest.raises(DeltaFormatError):
             read_header(forged)
 
@@ -782,7 +770,7 @@ class TestPackedHeader:
             return json.dumps(header, separators=(",", ":"))
 
         with pytest.raises(DeltaFormatError, match=match):
-            read_header(_with_header_text(data, forge))
+            read_header(with_header_text(data, forge))
 
     def test_a_table_that_would_inflate_past_the_cap_is_refused_before_inflating(self) -> None:
         data, _, _ = make_delta()
@@ -796,7 +784,7 @@ class TestPackedHeader:
             return json.dumps(header, separators=(",", ":"))
 
         with pytest.raises(DeltaFormatError, match="at most"):
-            read_header(_with_header_text(data, forge))
+            read_header(with_header_text(data, forge))
 
     @pytest.mark.parametrize("shape", [{}, "", [-1, -1], [True], None], ids=["dict", "text", "negative", "bool", "null"])
     def test_an_entry_whose_shape_is_not_a_list_of_sizes_is_refused(self, shape: Any) -> None:
@@ -830,7 +818,7 @@ class TestPackedHeader:
             header["__metadata__"]["tensors_zstd"] = base64.b64encode(edited[:-4] + frame[-4:]).decode()
             return json.dumps(header, separators=(",", ":"))
 
-        forged = _with_header_text(data, rename_keeping_the_checksum)
+        forged = with_header_text(data, rename_keeping_the_checksum)
         with pytest.raises(DeltaFormatError, match="checksum"):
             read_header(forged)
         with pytest.raises(DeltaFormatError, match="checksum"):

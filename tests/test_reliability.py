@@ -40,6 +40,7 @@ from deltasync.stores import Store, open_store
 from deltasync.subscriber import Subscriber
 from tests.conftest import make_store
 from tests.faults import FaultyProxy, FaultyStore
+from tests.format_helpers import with_header
 from tests.servers.s3 import S3Server
 
 BACKENDS = ["local", "s3"]
@@ -581,12 +582,9 @@ class TestForgedAnchors:
 
         snapshot = Snapshot.capture(make_model())
         data = encode_anchor(dict(snapshot.items()), version=0, model=snapshot.specs)
-        (length,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + length])
-        header["renamed.weight"] = header.pop("0.weight")
-        text = json.dumps(header).encode()
+        forged = with_header(data, lambda header: header.update({"renamed.weight": header.pop("0.weight")}))
         with pytest.raises(DeltaFormatError, match="differ from its metadata"):
-            decode(struct.pack("<Q", len(text)) + text + data[8 + length :])
+            decode(forged)
 
 
 # ---------------------------------------------------------------------- secrets
