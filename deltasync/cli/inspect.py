@@ -44,11 +44,14 @@ def _read_local(path: Path) -> bytes:
         return f.read()
 
 
-def _part_sizes(data: bytes) -> dict[str, int]:
-    """Bytes per tensor, from its entries' ranges (each checked: a file to inspect may be anyone's)."""
+def _part_sizes(header: Header, data: bytes) -> dict[str, int]:
+    """Bytes per tensor, from its entries' ranges (each checked: a file to inspect may be anyone's), as the
+    header that :func:`~deltasync.format.read_header` parsed keeps them (parsed again only for one built
+    without them)."""
     sizes: dict[str, int] = {}
     body = len(data) - 8 - int.from_bytes(data[:8], "little")
-    for key, entry in raw_header(data).items():
+    layout = header.layout if header.layout is not None else raw_header(data)
+    for key, entry in layout.items():
         if key == "__metadata__":
             continue
         name = key.split("::", 1)[0]
@@ -63,7 +66,7 @@ def describe(header: Header, data: bytes) -> dict[str, Any]:
     ``dense_bytes`` is what the tensors the file carries take in full (an anchor: the whole model);
     ``sparsity`` is the share of the model's elements a delta leaves unchanged (``None`` for an anchor).
     """
-    sizes = _part_sizes(data)
+    sizes = _part_sizes(header, data)
     return {
         "kind": header.kind,
         "format_version": header.format_version,
