@@ -443,7 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     try:
         # Every copy of the weights a stage needs is made for it and dropped after it (device memory:
-        # about the masters and five copies of the bf16 weights at the most; see the module's docstring).
+        # the masters and at most four more copies of the bf16 weights; see the module's docstring).
         copy_all = copy_floor(numel, device, args.repeats, from_host=False)
         # The store floor's bytes: as many as the anchor's parts (the weights and small headers), memory touched.
         floor_bytes = weight_bytes + (16 << 20)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import functools
 import hashlib
 import json
 import random
@@ -361,27 +362,27 @@ def run_receiver(data: bytes, applier: TorchModuleApplier, rng: random.Random) -
     decode(data, base=applier.lookup, header=header)
 
 
-_STAGED: dict[int, TorchModuleApplier] = {}
+@functools.cache
+def staged_of(applier: TorchModuleApplier) -> TorchModuleApplier:
+    """The same weights, taken by the device path (it only reads them here)."""
+    return TorchModuleApplier(applier.state(), stage=True)
+
+
+@functools.cache
+def rank_of(applier: TorchModuleApplier) -> IndexMap:
+    """A rank that holds a copy of the same weights, each in a parameter of its own."""
+    return IndexMap.whole({n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in applier.state().items()})
 
 
 def run_device(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> None:
-    staged = _STAGED.get(id(applier))
-    if staged is None:  # the same weights, taken by the device path (it only reads them here)
-        staged = _STAGED[id(applier)] = TorchModuleApplier(applier.state(), stage=True)
+    staged = staged_of(applier)
     header = read_header(data)
     staged.validate(header)
     decode(data, base=staged.lookup, header=header, on_device=staged.on_device)
 
 
-_RANKS: dict[int, IndexMap] = {}
-
-
 def run_rank(data: bytes, applier: TorchModuleApplier, rng: random.Random) -> None:
-    index = _RANKS.get(id(applier))
-    if index is None:  # a rank that holds a copy of the same weights, each in a parameter of its own
-        index = _RANKS[id(applier)] = IndexMap.whole(
-            {n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in applier.state().items()})
-    decode_here(index, [data], whole=read_header(data).kind == "anchor", on_device=rng.random() < 0.5)
+    decode_here(rank_of(applier), [data], whole=read_header(data).kind == "anchor", on_device=rng.random() < 0.5)
 
 
 _RANGED = MemoryStore("fuzz-ranged")
