@@ -48,9 +48,9 @@ def _worker(answers: list[dict[str, Any]]) -> Any:
 
 def test_files_are_read_back_exactly_and_removed_after_the_call(tmp_path: Path) -> None:
     answers: list[dict[str, Any]] = []
-    drop = FileDrop(_worker(answers), parent=tmp_path)
-    assert drop.readable() and answers == [{"ok": True}]
-    assert drop.readable() and len(answers) == 1  # asked once
+    drop, rpc = FileDrop(parent=tmp_path), _worker(answers)
+    assert drop.readable(rpc) and answers == [{"ok": True}]
+    assert drop.readable(rpc) and len(answers) == 1  # asked once
     blobs = [os.urandom(100_000), memoryview(bytearray(b"\x01" * 4096)), b""]
     with drop.files(blobs) as refs:
         assert [r["size"] for r in refs] == [100_000, 4096, 0]
@@ -69,31 +69,32 @@ def test_files_are_read_back_exactly_and_removed_after_the_call(tmp_path: Path) 
 
 
 def test_a_failed_call_gives_the_drop_up_and_leaves_nothing(tmp_path: Path) -> None:
-    drop = FileDrop(_worker([]), parent=tmp_path)
-    assert drop.readable()
+    drop = FileDrop(parent=tmp_path)
+    assert drop.readable(_worker([]))
     with pytest.raises(RuntimeError, match="the engine went away"), drop.files([b"x" * 10]):
         raise RuntimeError("the engine went away")
-    assert not drop.readable()  # later files travel as text
+    assert not drop.readable(_worker([]))  # later files travel as text
     assert not any(p for d in tmp_path.iterdir() for p in d.iterdir())
     drop.close()
 
 
 def test_workers_that_cannot_read_the_drop_or_do_not_know_it_get_text(tmp_path: Path) -> None:
-    elsewhere = FileDrop(lambda method, ref: [{"ok": True}, {"ok": False, "why": "FileNotFoundError: no such file"}],
-                         parent=tmp_path)
-    assert not elsewhere.readable()
+    def elsewhere(method: str, ref: dict[str, Any]) -> list[Any]:  # one rank on another machine
+        return [{"ok": True}, {"ok": False, "why": "FileNotFoundError: no such file"}]
+
+    assert not FileDrop(parent=tmp_path).readable(elsewhere)
 
     def older(method: str, ref: dict[str, Any]) -> list[Any]:
         raise RuntimeError(f"the worker extension has no method {method}")
 
-    assert not FileDrop(older, parent=tmp_path).readable()
+    assert not FileDrop(parent=tmp_path).readable(older)
     # Each probe file was removed after its answer.
     assert not any(p for d in tmp_path.iterdir() for p in d.iterdir())
 
 
 def test_an_anchor_is_referenced_by_its_header_and_checked_by_its_entries(tmp_path: Path) -> None:
     anchor, plain = _anchor(), safetensors.torch.save({"w": torch.ones(8, dtype=torch.bfloat16)})
-    drop = FileDrop(_worker([]), parent=tmp_path)
+    drop = FileDrop(parent=tmp_path)
     with drop.files([anchor, plain]) as (by_header, whole):
         size = 8 + int.from_bytes(anchor[:8], "little")
         assert by_header == {"path": by_header["path"], "size": len(anchor),
@@ -110,14 +111,14 @@ def test_an_older_worker_that_checks_files_whole_answers_no_to_the_probe(tmp_pat
         ok = isinstance(ref.get("blake3"), str)
         return [{"ok": ok} if ok else {"ok": False, "why": f"IntegrityError: malformed file reference {ref}"}]
 
-    assert not FileDrop(older, parent=tmp_path).readable()
+    assert not FileDrop(parent=tmp_path).readable(older)
 
 
 @pytest.mark.parametrize("kind", ["whole", "anchor"])
 @pytest.mark.parametrize("change", ["size", "bytes", "header", "malformed", "relative", "missing", "link",
                                     "directory"])
 def test_a_file_that_is_not_the_followers_is_refused(tmp_path: Path, change: str, kind: str) -> None:
-    drop = FileDrop(_worker([]), parent=tmp_path)
+    drop = FileDrop(parent=tmp_path)
     with drop.files([_anchor() if kind == "anchor" else b"weights" * 1000]) as (ref,):
         assert ("header" in ref) == (kind == "anchor")
         path = Path(ref["path"])
@@ -164,8 +165,8 @@ def test_a_killed_followers_directory_is_removed_by_the_next(tmp_path: Path) -> 
     alive.mkdir()
     other = tmp_path / "deltasync-drop-notapid"
     other.mkdir()
-    drop = FileDrop(_worker([]), parent=tmp_path)
-    assert drop.readable()  # its first file sweeps the parent
+    drop = FileDrop(parent=tmp_path)
+    assert drop.readable(_worker([]))  # its first file sweeps the parent
     assert not left.exists() and alive.exists() and other.exists()
     assert sweep(tmp_path) == 0
     drop.close()
@@ -180,15 +181,16 @@ def test_the_drop_is_in_memory_where_the_machine_has_it() -> None:
 
 def test_a_drop_switched_off_is_never_asked(tmp_path: Path) -> None:
     asked: list[Any] = []
-    drop = FileDrop(lambda *call: asked.append(call) or [{"ok": True}], parent=tmp_path, enabled=False)
-    assert not drop.readable() and asked == [] and not any(tmp_path.iterdir())
+    drop = FileDrop(parent=tmp_path, enabled=False)
+    assert not drop.readable(lambda *call: asked.append(call) or [{"ok": True}])
+    assert asked == [] and not any(tmp_path.iterdir())
 
 
 def test_a_drop_never_closed_is_removed_when_collected(tmp_path: Path) -> None:
     import gc
 
-    drop = FileDrop(_worker([]), parent=tmp_path)
-    assert drop.readable() and len(list(tmp_path.iterdir())) == 1
+    drop = FileDrop(parent=tmp_path)
+    assert drop.readable(_worker([])) and len(list(tmp_path.iterdir())) == 1
     del drop
     gc.collect()
     assert not any(tmp_path.iterdir())

@@ -252,9 +252,9 @@ class TestPlainWeights:
         _, follower, _, trainer, _ = plain_run
         weights = trainer.bf16()
         flipped = {n: (t.view(torch.int16) ^ 1).view(torch.bfloat16) for n, t in weights.items()}
-        drop = FileDrop(follower._rpc)
+        drop = FileDrop()
         try:
-            assert drop.readable()  # the engine's worker process reads this process's files
+            assert drop.readable(follower._rpc)  # the engine's worker process reads this process's files
             version = follower.engine_version()
             for target in (flipped, weights):
                 with drop.files([encode_anchor(target, version=5)]) as refs:
@@ -272,6 +272,30 @@ class TestPlainWeights:
             assert follower.engine_version() == version  # no version given: the label stays
         finally:
             drop.close()
+
+    def test_a_dropped_follower_and_its_subscriber_are_freed_at_once(self, plain_run, tmp_path: Path) -> None:
+        """Neither the follower, its drop directory nor its subscriber refers back to another in a cycle: once
+        the user drops them, reference counting frees them (and the bases they prefetched) at once, not when
+        the cycle collector next runs."""
+        import gc
+        import weakref
+
+        from deltasync.appliers.vllm_follower import VLLMFollower
+
+        llm, follower, *_ = plain_run
+        gc.disable()
+        try:
+            other = VLLMFollower(llm, model=follower.model_dir)
+            assert other.takes_files("anchor")  # the drop asked the engine through the follower's RPC
+            sub = other.subscriber(str(tmp_path / "run"), ack=False)
+            assert sub.update() is None  # nothing published there yet
+            held = weakref.ref(other), weakref.ref(sub)
+            sub.close()
+            other.close()
+            del other, sub
+            assert [ref() for ref in held] == [None, None]
+        finally:
+            gc.enable()
 
 
 class TestTensorParallel:

@@ -71,25 +71,27 @@ def drop_parent() -> Path:
 class FileDrop:
     """A follower's drop directory and whether the engine's workers read it.
 
+    It holds no reference to its follower (whose RPC :meth:`readable` is given), so a dropped follower is
+    freed at once, with what it holds.
+
     Args:
-        rpc: calls a worker method on every rank and returns their answers (the follower's RPC).
         parent: where the directory is made; :func:`drop_parent` by default.
         enabled: ``False``: never used (:meth:`readable` is ``False``).
     """
 
-    def __init__(self, rpc: Callable[..., list[Any]], parent: Path | None = None, *, enabled: bool = True) -> None:
-        self._rpc = rpc
+    def __init__(self, parent: Path | None = None, *, enabled: bool = True) -> None:
         self._parent = parent
         self._dir: Path | None = None
         self._usable: bool | None = None if enabled else False
         self._count = 0
         self._removal: Callable[[], Any] = lambda: None
 
-    def readable(self) -> bool:
-        """Whether every worker reads files written here (asked once, with a probe file; ``False`` for good
-        after a drop failed)."""
+    def readable(self, rpc: Callable[..., list[Any]]) -> bool:
+        """Whether every worker reads files written here (asked once through ``rpc``, which calls a worker
+        method on every rank and returns their answers, with a probe file; ``False`` for good after a drop
+        failed)."""
         if self._usable is None:
-            self._usable = self._probe()
+            self._usable = self._probe(rpc)
         return self._usable
 
     @contextlib.contextmanager
@@ -122,11 +124,11 @@ class FileDrop:
             self._removal()
             self._dir = None
 
-    def _probe(self) -> bool:
+    def _probe(self, rpc: Callable[..., list[Any]]) -> bool:
         ref: dict[str, Any] | None = None
         try:
             ref = _put(self._path(), memoryview(_probe_file()))
-            answers = self._rpc("deltasync_read_dropped", ref)
+            answers = rpc("deltasync_read_dropped", ref)
         except Exception as exc:  # an older worker extension, an engine that cannot take the call, no space
             logger.info("deltasync: anchors go to the engine as text (%s: %s)", type(exc).__name__, exc)
             return False

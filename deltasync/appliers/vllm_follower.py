@@ -65,7 +65,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,7 +199,7 @@ class VLLMFollower:
         self.last_apply: dict[str, float] = {}
         """The newest apply across ranks: ``ms`` (slowest rank), ``verify_ms``, ``verified`` (elements read back)."""
         self._pending: int | None = None
-        self._subscriber: Any = None
+        self._subscriber: Callable[[], Any] = lambda: None  # weak: the subscriber holds this follower
         self._step: list[Header] = []
         # Prefetched base bits by (tensor, first index): one entry per file that carries the tensor
         # (several when a sharded trainer wrote it in slices).
@@ -206,7 +207,7 @@ class VLLMFollower:
         self._prefetched = False
         self._lookups = threading.Lock()  # decoding threads share one prefetch and one RPC at a time
         self._tapped = TapBuffer()
-        self._drop = FileDrop(self._rpc, enabled=anchor_files)  # anchors to a server on this machine: files
+        self._drop = FileDrop(enabled=anchor_files)  # anchors to a server on this machine: files
         self.ranks = self._init_workers()
 
     # ------------------------------------------------------------------ setup
@@ -232,10 +233,8 @@ class VLLMFollower:
                 "start the engine with DELTASYNC_VLLM_PLAIN_WEIGHTS=1 to patch them in place",
                 len(repacked),
             )
-        logger.info(
-            "deltasync: vLLM engine mapped (%d ranks, %d tensors) in %.0f ms",
-            len(answers), len(self.engine_specs), max(a["ms"] for a in answers),
-        )
+        logger.info("deltasync: vLLM engine mapped (%d ranks, %d tensors) in %.0f ms",
+                    len(answers), len(self.engine_specs), max(a["ms"] for a in answers))
         return answers
 
     def close(self) -> None:
@@ -298,7 +297,7 @@ class VLLMFollower:
         of the files instead of one for the bases and one for the patches. Anchors go whole, by path, to an
         engine whose workers read this machine's files (:mod:`.file_drop`), instead of as decoded patches."""
         if kind == "anchor":
-            return self.adapter is None and self._drop.readable()
+            return self.adapter is None and self._drop.readable(self._rpc)
         one = len(self.ranks) == 1 and bool(self.ranks[0].get("decodes_files"))
         return self.decode_in_worker and kind == "delta" and one and self.adapter is None
 
@@ -381,11 +380,12 @@ class VLLMFollower:
         from ..subscriber import Subscriber
 
         store_options = {k: options.pop(k) for k in list(options) if k not in _SUBSCRIBER_ARGS}
-        self._subscriber = Subscriber(self.tap(open_store(store, **store_options)), self, **options)
-        return self._subscriber
+        subscriber = Subscriber(self.tap(open_store(store, **store_options)), self, **options)
+        self._subscriber = weakref.ref(subscriber)
+        return subscriber
 
     def _run_id(self) -> str | None:
-        return self._subscriber.following if self._subscriber is not None else None
+        return getattr(self._subscriber(), "following", None)
 
     def tap(self, store: Store) -> Store:
         """Wrap ``store`` so the deltas a subscriber downloads are seen here (for batched lookups)."""
