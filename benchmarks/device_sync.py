@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import gzip
 import io
 import os
@@ -318,6 +319,8 @@ def profile_stage(
     if device.type == "cuda":
         tables.insert(0, f"{label}: torch ops by self device time\n"
                       + averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    del prof, averages
+    gc.collect()  # the profiler's event objects, freed now: a collection of them inside the run would show as its own
     if prepare is not None:
         prepare()
     sync(device)
