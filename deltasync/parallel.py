@@ -43,9 +43,15 @@ _T = TypeVar("_T")
 
 
 def map_shared(
-    fn: Callable[[_I], _T], items: Sequence[_I], work: Sequence[int], workers: int | None = None
+    fn: Callable[[_I], _T], items: Sequence[_I], work: Sequence[int], workers: int | None = None,
+    *, serial: Sequence[bool] | None = None,
 ) -> list[_T]:
     """``[fn(x) for x in items]`` in up to ``workers`` (default :data:`WORKERS`) threads; ``work[i]`` weighs item ``i``.
+
+    ``serial[i]``: item ``i`` spends most of its time in Python, holding the GIL (many small tensors). All such
+    items go to one thread, the caller's: two of them side by side only hand the GIL back and forth at every
+    short call that releases it, slower than one thread (a delta of 4096 tensors of 312 changes decoded in
+    194 ms on two threads, 176 on one). The other items are dealt around them.
 
     Every item is processed even when one fails; then the first failure in
     ``items`` order is raised, so which error a caller sees does not depend on
@@ -53,14 +59,17 @@ def map_shared(
     """
     workers = WORKERS if workers is None else workers
     total = sum(work) + TASK_COST * len(items)
-    if workers <= 1 or len(items) <= 1 or total < MIN_PARALLEL_WORK:
+    if workers <= 1 or len(items) <= 1 or total < MIN_PARALLEL_WORK or (serial is not None and all(serial)):
         return [fn(x) for x in items]
     shares: list[list[int]] = [[] for _ in range(min(workers, len(items)))]
     loads = [0] * len(shares)
-    for i in sorted(range(len(items)), key=lambda i: -work[i]):
-        lightest = loads.index(min(loads))
+    for i in sorted(range(len(items)), key=lambda i: (not (serial and serial[i]), -work[i])):
+        lightest = 0 if serial and serial[i] else loads.index(min(loads))
         shares[lightest].append(i)
         loads[lightest] += work[i] + TASK_COST
+    shares = [share for share in shares if share]
+    if len(shares) == 1:
+        return [fn(x) for x in items]
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
 

@@ -617,6 +617,39 @@ def test_threads_are_kept_between_calls_and_never_wait_on_themselves() -> None:
     assert os.read(read, 1) == b"1"
 
 
+def test_items_that_hold_the_gil_run_on_one_thread_the_callers() -> None:
+    """``serial`` items (a chunk of tensors too small for their compiled work to outweigh their Python) all run
+    on the calling thread, in any mix; the others are dealt around them; results come back in order, and the
+    first failure in item order is raised."""
+    import threading
+
+    from deltasync import parallel
+
+    where: dict[int, int] = {}
+
+    def record(x: int) -> int:
+        where[x] = threading.get_ident()
+        return -x
+
+    serial = [x % 3 == 0 for x in range(12)]
+    assert parallel.map_shared(record, list(range(12)), [10**6] * 12, workers=4, serial=serial) == [
+        -x for x in range(12)]
+    assert {where[x] for x in range(12) if serial[x]} == {threading.get_ident()}
+    assert len(set(where.values())) > 1  # the others were dealt to the pool's threads too
+    where.clear()
+    assert parallel.map_shared(record, list(range(12)), [10**6] * 12, workers=4, serial=[True] * 12) == [
+        -x for x in range(12)]
+    assert set(where.values()) == {threading.get_ident()}
+
+    def fail(x: int) -> int:
+        if x in (5, 9):
+            raise ValueError(f"item {x}")
+        return x
+
+    with pytest.raises(ValueError, match="item 5"):
+        parallel.map_shared(fail, list(range(12)), [10**6] * 12, workers=4, serial=serial)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_an_anchor_from_cuda_tensors_is_the_anchor_of_their_cpu_copies() -> None:

@@ -95,15 +95,22 @@ def decompress_into(frame: np.ndarray, targets: list[np.ndarray], what: str) -> 
 def decompress(blob: np.ndarray, expected: int, what: str) -> bytes:
     """Decompress one frame that must declare and hold exactly ``expected`` bytes (:func:`check_frame`)."""
     data = check_frame(blob, expected, what)
-    try:
-        out = _decompressor().decompress(data, max_output_size=expected)
+    try:  # one frame and nothing after it (no hidden second payload), checked by libzstd as it decodes
+        out = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise CodecError(f"{what}: corrupt zstd frame ({exc})", part=what) from None
+        raise CodecError(f"{what}: {_why(data, exc)}", part=what) from None
     if len(out) != expected:
         raise CodecError(f"{what}: decompressed {len(out)} bytes, expected {expected}", part=what)
-    if _frame_size(data) != data.size:  # one frame and nothing after it: no hidden second payload
-        raise CodecError(f"{what}: bytes after the zstd frame", part=what)
     return out
+
+
+def _why(frame: np.ndarray, exc: zstandard.ZstdError) -> str:
+    """What is wrong with a frame libzstd refused: bytes after an intact frame, or the frame itself."""
+    try:
+        _decompressor().decompress(frame, allow_extra_data=True)
+    except zstandard.ZstdError:
+        return f"corrupt zstd frame ({exc})"
+    return "bytes after the zstd frame"
 
 
 def _frame_size(frame: np.ndarray) -> int:

@@ -19,7 +19,7 @@ import torch
 from ..codec import BaseLookup, Decoded, get_codec
 from ..codec.compact import STREAM_CODECS
 from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
-from ..codec.packed import chunks, decode_chunk, work
+from ..codec.packed import TENSOR_COST, chunks, decode_chunk, work
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..gc_pause import collector_paused
 from ..parallel import map_shared
@@ -224,7 +224,9 @@ def decode_entries(
     else:  # compact tensors a chunk at a time (codec/packed.py), the others one by one
         kinds = [_kind(name, entry) for name, entry in wanted.items()]
         groups = [[names[k] for k in group] for group in chunks([wanted[n].nnz for n in names], kinds)]
-        found = map_shared(chunk, groups, [work([wanted[n].nnz for n in group]) for group in groups])
+        sizes = [[wanted[n].nnz for n in group] for group in groups]
+        # Chunks of tensors too small for their compiled work to outweigh their Python: one thread takes them all.
+        found = map_shared(chunk, groups, [work(s) for s in sizes], serial=[sum(s) < TENSOR_COST * len(s) for s in sizes])
         decoded = {name: patch for group, patches in zip(groups, found) for name, patch in zip(group, patches)}
         results = {name: decoded[name] for name in names}
     _raise_first(results)
