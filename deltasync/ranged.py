@@ -95,7 +95,7 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
         expected = header.tensors[name].digest
         if expected is None:
             raise DeltaFormatError(f"{ref.key}: no digest for {name}; download the object whole", key=ref.key)
-        h = digests.hasher(expected[0])
+        h = digests.hasher(expected[0], sum(spans[key][1] - spans[key][0] for key in keys[name]))
         for key in sorted(keys[name]):
             raw = chunks[spans[key]]
             h.update(raw)
