@@ -373,8 +373,14 @@ def _changed(
     if head == size:  # the common case, without slicing (~1 us per torch view)
         return _changed_words(new, old, scratch, per, offset)
     parts = [_changed_words(new[:head], old[:head], scratch, per, offset)] if head else []
-    tail_new, tail_old = new[head:], old[head:]
-    parts.append(_expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
+    if head and size - head < per:  # a few elements past the last word: numpy, 2 us against 15 for torch's ops
+        tail_new, tail_old = new[head:].numpy(), old[head:].numpy()
+        inner = (tail_new != tail_old).nonzero()[0]
+        if inner.size:
+            parts.append((inner + (offset + head), tail_new[inner], tail_old[inner]))
+    else:
+        tail_new, tail_old = new[head:], old[head:]
+        parts.append(_expand(tail_new, tail_old, torch.ne(tail_new, tail_old), 1, offset + head))
     idx, new_values, old_values = (_concat(p) for p in zip(*parts))
     return idx, new_values, old_values
 
