@@ -20,7 +20,9 @@ median of ``--repeats`` runs with the spread (min, max):
 | anchor publish / periodic / load | the first ``publish`` (its snapshot allocated and captured on the way) / a periodic anchor (from the snapshot kept since: what every later anchor costs) / a new replica's ``update``, GB/s, in parts of the default size and in one part; "load, copied": the same load with the store's parts read into memory instead of mapped (``LocalStore(map_reads=False)``: the path of a network filesystem) | one ``copy_`` of all weights; and for the periodic anchor and the load, the store floor: the same parts' bytes BLAKE3-hashed and written to new files on the same filesystem, four side by side / mapped and hashed on the fetch threads, then copied into the weights (no deltasync code; the fastest round) |
 
 Every version ends bit-exact (checked). Writes
-``benchmarks/results/device_sync_<device>.json`` and prints the table.
+``benchmarks/results/device_sync_<device>.json`` (``device_sync_<device>_<N>_tensors.json`` for another
+``--tensors N``: a Mixture-of-Experts model's thousands of expert tensors, where each tensor's fixed cost
+shows) and prints the table.
 
 With ``--checkpoints``, the weights and their steps are a real run's instead: the
 first checkpoint is the starting weights, and every later one replaces all
@@ -33,6 +35,7 @@ go to ``device_sync_<device>_checkpoints.json``.
     python benchmarks/device_sync.py                      # cpu, 128M params in 64 tensors, 1 % density
     python benchmarks/device_sync.py --device cuda --params 1e9
     python benchmarks/device_sync.py --quick              # CI: 8M params, results in a temp dir
+    python benchmarks/device_sync.py --tensors 4096       # the same parameters as 4096 tensors (experts)
     python benchmarks/device_sync.py --device cuda --checkpoints run/step-*.safetensors
     python benchmarks/device_sync.py --device cuda --params 1e9 --profile prof/   # and where the time goes
 
@@ -85,6 +88,9 @@ from deltasync.diff import DEVICE_CHUNK, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, file_entries, read_header  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
 from deltasync.tensors import bits_view  # noqa: E402
+
+TENSORS = 64
+"""The synthetic model's tensors by default (``--tensors``): 2M elements each at 128M parameters."""
 
 
 def sync(device: torch.device) -> None:
@@ -633,7 +639,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--params", type=float, default=128e6)
-    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--tensors", type=int, default=TENSORS)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="8M params, 3 repeats, results in a temp dir")
@@ -652,6 +658,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["machine"] = shared_machine(load, "times are medians of --repeats runs on a shared machine")
     device = torch.device(args.device).type
     name = f"device_sync_{device}_checkpoints" if args.checkpoints else f"device_sync_{device}"
+    if not args.checkpoints and args.tensors != TENSORS:  # a model of other tensors keeps results of its own
+        name += f"_{args.tensors}_tensors"
     path = write_json(name, result, results_dir(args.quick, args.out))
     rows = []
     for stage, row in result["stages"].items():

@@ -233,7 +233,7 @@ def check_written(
         else:
             pick = torch.randint(0, patch.indices.numel(), (samples,), generator=generator)
             pick = pick.to(patch.indices.device)
-            idx, values = patch.indices[pick], patch.values[pick]
+            idx, values = patch.indices.index_select(0, pick), patch.values.index_select(0, pick)  # 2x `[pick]`
         for target in index.targets[patch.name]:
             region = plain_region(target, values) if patch.indices is None else None
             if region is not None:  # a whole tensor in a plain parameter: one strided compare
