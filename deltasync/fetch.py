@@ -27,9 +27,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import digests
 from .codec import Decoded
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, VersionError
 from .format import MAX_HEADER_BYTES, Header, combine, decode, decode_entries, read_header
+from .format.check import verified_header
+from .gc_pause import collector_paused
 from .manifest import Manifest, ObjectRef, Plan, Step
 from .ranged import Fetched, can_read_ranges, fetch_tensors
 from .stores import Store
@@ -96,6 +99,9 @@ class Fetcher:
         self._bad: dict[_Claim, float] = {}  # claim -> monotonic time until which routes avoid it
         self._failures: Counter[ObjectRef] = Counter()
         self._mismatch: tuple[str, str] | None = None  # (fingerprint, what differs), explained once
+        # Headers parsed to check objects by their entries, by the manifest's (size, digest) of the header:
+        # check() takes them instead of parsing again (an object that passed has exactly those header bytes).
+        self._parsed: dict[tuple[int, str], Header] = {}
 
     def close(self) -> None:
         """Stop the download threads (waits for downloads in flight)."""
@@ -121,6 +127,7 @@ class Fetcher:
         With ``only``, objects whose manifest reference allows it are read by range:
         just the selected tensors (:mod:`deltasync.ranged`).
         """
+        self._parsed = {}  # one plan's at most
         return {
             ref.key: self._pool.submit(self._download_ranged if self._ranged(ref) else self._download, ref)
             for s in plan.steps
@@ -145,14 +152,20 @@ class Fetcher:
             data = self.store.get_buffer(ref.key, max_bytes=ref.size)
         except IntegrityError:
             data = b""  # larger than promised: counted below like any other mismatch
-        if not ref.verify(data):
-            self._count_failure(ref)
-            raise IntegrityError(
-                f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
-                f"({ref.size} bytes); object refused",
-                key=ref.key,
-            )
-        return data
+        if ref.algorithm == digests.BY_ENTRIES:  # checked by its entries: the header parsed on the way is kept
+            with collector_paused():  # tens of thousands of header objects kept (see gc_pause): no walks of them
+                parsed = verified_header(data, ref.header) if memoryview(data).nbytes == ref.size else None
+            if parsed is not None and ref.header is not None:
+                self._parsed[ref.header] = parsed
+                return data
+        elif ref.verify(data):
+            return data
+        self._count_failure(ref)
+        raise IntegrityError(
+            f"{ref.key}: {len(data)} bytes with a different hash than the manifest promises "
+            f"({ref.size} bytes); object refused",
+            key=ref.key,
+        )
 
     def _download_ranged(self, ref: ObjectRef) -> Fetched:
         assert self.only is not None
@@ -184,7 +197,7 @@ class Fetcher:
     ) -> list[Header]:
         """The first half of :meth:`check_and_decode`: every file's header, validated against the replica
         and the manifest's claim (an anchor carries every tensor); refused objects are avoided."""
-        headers = [b.header if isinstance(b, Fetched) else read_header(b) for b in blobs]
+        headers = [self._header_of(ref, b) for ref, b in zip(step.objects, blobs)]
         for ref, header in zip(step.objects, headers):
             try:
                 self.applier.validate(header)
@@ -196,6 +209,14 @@ class Fetcher:
             self._refuse(step, *step.objects)
             raise DeltaFormatError(f"anchor v{step.version} does not carry every tensor")
         return headers
+
+    def _header_of(self, ref: ObjectRef, blob: bytes | memoryview | Fetched) -> Header:
+        """A downloaded object's header: a range read's, the one parsed as the object was checked by its
+        entries (:meth:`_download`), or parsed now."""
+        if isinstance(blob, Fetched):
+            return blob.header
+        parsed = self._parsed.pop(ref.header, None) if ref.algorithm == digests.BY_ENTRIES and ref.header else None
+        return parsed if parsed is not None else read_header(blob)
 
     def decode_checked(
         self, step: Step, blobs: list[bytes | memoryview | Fetched], headers: list[Header]

@@ -142,12 +142,15 @@ def test_random_anchors_are_intact_and_any_flip_is_caught(shapes, seed: int, dat
     assert not ref.verify(damaged)
 
 
-def test_a_publisher_references_anchors_by_entries_and_a_replica_checks_them(tmp_path) -> None:
+def test_a_publisher_references_anchors_by_entries_and_a_replica_checks_them(tmp_path, monkeypatch) -> None:
     """End to end through a local store: schema 3, anchors by their headers, deltas whole; a replica lands
-    bit-exact, and a fresh one refuses an anchor damaged inside a tensor and keeps its weights."""
+    bit-exact, parsing each anchor part's header once (as it checks the part), and a fresh one refuses an
+    anchor damaged inside a tensor and keeps its weights."""
     from deltasync import Publisher, Subscriber
+    from deltasync import fetch as fetch_module
     from deltasync.appliers import TorchModuleApplier
     from deltasync.errors import IntegrityError
+    from deltasync.format import read_header
 
     model = {n: t.float() for n, t in weights().items()}
     with Publisher(model, str(tmp_path / "run"), part_bytes=128) as publisher:
@@ -161,8 +164,11 @@ def test_a_publisher_references_anchors_by_entries_and_a_replica_checks_them(tmp
     assert all("blake3" in r and "blake3-entries" not in r for r in deltas)
 
     replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in model.items()}
+    parsed_again: list[int] = []
+    monkeypatch.setattr(fetch_module, "read_header", lambda data: parsed_again.append(1) or read_header(data))
     with Subscriber(str(tmp_path / "run"), TorchModuleApplier(replica), ack=False) as sub:
         assert sub.update().version == 1
+    assert len(parsed_again) == len(deltas)  # the anchor parts' headers came from their checks
     assert all(torch.equal(replica[n].view(torch.int16), t.bfloat16().view(torch.int16)) for n, t in model.items())
 
     path = tmp_path / "run" / max(anchors, key=lambda r: r["size"] - r["header"]["size"])["key"]

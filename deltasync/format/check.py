@@ -17,9 +17,9 @@ import numpy as np
 
 from .. import digests
 from ..errors import DeltaFormatError
-from .header import entry_groups, header_of, header_ref, raw_header, tiled_spans
+from .header import Header, entry_groups, header_of, header_ref, raw_header, tiled_spans
 
-__all__ = ["covered_by_entries", "intact_by_entries"]
+__all__ = ["covered_by_entries", "intact_by_entries", "verified_header"]
 
 
 def intact_by_entries(data: bytes | bytearray | memoryview, header: tuple[int, str]) -> bool:
@@ -29,22 +29,29 @@ def intact_by_entries(data: bytes | bytearray | memoryview, header: tuple[int, s
     A malformed header that matches its digest (a writer's bug, not damage in transit) is not intact
     either: the caller refuses the object the same way.
     """
+    return verified_header(data, header) is not None
+
+
+def verified_header(data: bytes | bytearray | memoryview, header: tuple[int, str]) -> Header | None:
+    """``data``'s parsed header (its layout kept) where :func:`intact_by_entries` holds, else ``None``: a
+    reader that checked an object this way need not parse its header again (an anchor part of a thousand
+    tensors: about 5 ms). Any object that passes for one ``header`` has exactly that header's bytes."""
     view = memoryview(data).cast("B")
     size, digest = header
     if len(view) < size or not digests.matches([view[:size]], "blake3", digest):
-        return False
+        return None
     cover = _cover(view)
     if cover is None or cover[0] != size:
-        return False
-    _, expected, spans = cover
+        return None
+    _, parsed, expected, spans = cover
     body = np.frombuffer(view, dtype=np.uint8)[size:]
     for name, keys in spans.items():
         h = digests.hasher("blake3", sum(stop - start for start, stop in keys))
         for start, stop in keys:
             h.update(body[start:stop])
         if h.hexdigest() != expected[name]:
-            return False
-    return True
+            return None
+    return parsed
 
 
 def covered_by_entries(data: bytes | bytearray | memoryview) -> tuple[int, str] | None:
@@ -57,9 +64,10 @@ def covered_by_entries(data: bytes | bytearray | memoryview) -> tuple[int, str] 
     return header_ref(view, "blake3")
 
 
-def _cover(view: memoryview) -> tuple[int, dict[str, str], dict[str, list[tuple[int, int]]]] | None:
-    """The header's size, each tensor's BLAKE3, and its entries' byte ranges in the data area, where the
-    entries tile the data area and each belongs to a tensor with a BLAKE3 digest; else ``None``."""
+def _cover(view: memoryview) -> tuple[int, Header, dict[str, str], dict[str, list[tuple[int, int]]]] | None:
+    """The header's size, the header parsed, each tensor's BLAKE3, and its entries' byte ranges in the data
+    area, where the entries tile the data area and each belongs to a tensor with a BLAKE3 digest; else
+    ``None``."""
     try:
         layout = raw_header(view)
         size = 8 + int.from_bytes(view[:8], "little")
@@ -76,4 +84,4 @@ def _cover(view: memoryview) -> tuple[int, dict[str, str], dict[str, list[tuple[
         if digest is None or digest[0] != "blake3":
             return None
         expected[name] = digest[1]
-    return size, expected, {name: [spans[key] for key in keys] for name, keys in groups.items()}
+    return size, parsed, expected, {name: [spans[key] for key in keys] for name, keys in groups.items()}
