@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .. import digests
@@ -39,6 +40,7 @@ __all__ = [
     "Header",
     "entry_json",
     "entry_digest",
+    "host_bytes",
     "metadata_strings",
     "header_ref",
     "tiled_spans",
@@ -185,9 +187,15 @@ def entry_json(
 
 def entry_digest(parts: Sequence[torch.Tensor], algorithm: str = digests.WRITE) -> tuple[str, str]:
     """``(algorithm, hex)`` digest over the bytes of one tensor's entries, given in entry-name order."""
-    return algorithm, digests.hexdigest(
-        (memoryview(p.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()) for p in parts), algorithm
-    )
+    return algorithm, digests.hexdigest((memoryview(host_bytes(p)) for p in parts), algorithm)
+
+
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array in host memory: viewed in place where it already is one (a
+    delta's streams: about 0.6 us, against 4 for the general reshape, copy, view chain)."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_cpu and tensor.is_contiguous():
+        return tensor.detach().numpy()
+    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
 
 
 def metadata_strings(
