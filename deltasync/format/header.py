@@ -191,10 +191,11 @@ def entry_digest(parts: Sequence[torch.Tensor], algorithm: str = digests.WRITE) 
 
 
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a flat uint8 array in host memory: viewed in place where it already is one (a
-    delta's streams: about 0.6 us, against 4 for the general reshape, copy, view chain)."""
-    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_cpu and tensor.is_contiguous():
-        return tensor.detach().numpy()
+    """A tensor's bytes as a flat uint8 array in host memory, viewed in place where it is contiguous there
+    (0.6 us for a delta's uint8 stream, 1.2 for a weight, against 2.5-4 for the general chain of reshape,
+    copy and views; an anchor of 4096 tensors takes it three times a tensor)."""
+    if tensor.is_cpu and tensor.is_contiguous() and tensor.dim() and not tensor.requires_grad:
+        return (tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)).numpy().reshape(-1)
     return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
 
 
