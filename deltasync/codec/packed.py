@@ -7,7 +7,7 @@ the gap planes decoded a little ahead of the base reads, each read hinted, then
 the values added in one pass); elsewhere the indices, the receiver's read of its
 base and the values are three steps. Only zstd and the BLAKE3 check run between
 the calls. Tensors are grouped into chunks of
-up to :data:`CHUNK` of work (changed elements, and :data:`TENSOR_COST` for each
+up to :data:`CHUNK` of work (changed elements, and :data:`~deltasync.parallel.TENSOR_COST` for each
 tensor) so the decode threads take a few large, evenly weighed tasks each
 instead of hundreds of small ones.
 
@@ -26,22 +26,17 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from ..errors import DeltaSyncError
+from ..parallel import TENSOR_COST
 from .base import BaseLookup, Decoded, FlatLookup
 from .compact import SIGNED, UNSIGNED, check_values, unplanes
 from .device import Streams
 from .kernels import add_steps, gap_indices, rebuild
 
-__all__ = ["CHUNK", "TENSOR_COST", "decode_chunk", "chunks", "work"]
+__all__ = ["CHUNK", "decode_chunk", "chunks", "work"]
 
 CHUNK = 1 << 18
-"""Work per chunk (per task of the decode threads), in changed elements with :data:`TENSOR_COST` added for
-each tensor: 12 tensors of 20K changes each in ``device_sync``."""
-
-TENSOR_COST = 3000
-"""A tensor's fixed cost in a decode, in changed elements: about 28 us of Python, zstd and digest calls (a
-delta of 1000 tensors of 20 changes each, one thread, a 2-core AMD EPYC), against about 10 ns a change
-(SmolLM2's steps). Counted when chunks are cut and dealt to the threads, so that a chunk of many small tensors
-is not taken for a light one: SmolLM2's first two threads took 9.3 and 15.3 ms for their shares without it."""
+"""Work per chunk (per task of the decode threads), in changed elements with
+:data:`~deltasync.parallel.TENSOR_COST` added for each tensor: 12 tensors of 20K changes each in ``device_sync``."""
 
 
 class _Refused(Exception):

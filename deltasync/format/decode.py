@@ -19,10 +19,10 @@ import torch
 from ..codec import BaseLookup, Decoded, get_codec
 from ..codec.compact import STREAM_CODECS
 from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
-from ..codec.packed import TENSOR_COST, chunks, decode_chunk, work
+from ..codec.packed import chunks, decode_chunk, work
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..gc_pause import collector_paused
-from ..parallel import map_shared
+from ..parallel import TENSOR_COST, map_shared
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
 from .layout import packed

@@ -20,10 +20,9 @@ import safetensors.torch
 import torch
 
 from ..codec import DEFAULT_CODEC, get_codec
-from ..codec.packed import TENSOR_COST
 from ..diff import ChangeSet, TensorChange
 from ..gc_pause import collector_paused
-from ..parallel import map_shared
+from ..parallel import TENSOR_COST, map_shared
 from ..tensors import TensorSpec, settle
 from .header import (
     SAFETENSORS_DTYPES,
