@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["WORKERS", "TASK_COST", "TENSOR_COST", "map_shared"]
+__all__ = ["WORKERS", "TASK_COST", "TENSOR_COST", "map_shared", "mostly_python"]
 
 def _workers() -> int:
     """``DELTASYNC_THREADS`` when set (a positive integer), else the CPU count, at most 8."""
@@ -42,7 +42,13 @@ TENSOR_COST = 3000
 calls (a delta of 1000 tensors of 20 changes each, one thread, a 2-core AMD EPYC), against about 10 ns a change
 (SmolLM2's steps). Decode chunks are cut and dealt counting it, so that a chunk of many small tensors is not
 taken for a light one (SmolLM2's first two threads took 9.3 and 15.3 ms for their shares without it); and work
-below it per tensor is mostly Python, ``serial`` in :func:`map_shared`."""
+below it per tensor is mostly Python (:func:`mostly_python`)."""
+
+
+def mostly_python(changes: int, tensors: int = 1) -> bool:
+    """Whether decoding or encoding ``tensors`` tensors of ``changes`` changed elements in all is mostly Python,
+    under :data:`TENSOR_COST` a tensor: ``serial`` work for :func:`map_shared`."""
+    return changes < TENSOR_COST * tensors
 
 _I = TypeVar("_I")
 _T = TypeVar("_T")

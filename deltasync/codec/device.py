@@ -53,7 +53,7 @@ from torch.profiler import record_function
 
 from ..device_diff import WaitCounter, to_host
 from ..errors import CodecError
-from ..parallel import TENSOR_COST, map_shared
+from ..parallel import map_shared, mostly_python
 from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
 from ._zstd import check_frame, decompress, decompress_into
 from .base import Decoded, Params, Parts, check_part, to_numpy
@@ -196,7 +196,7 @@ def decode_on_device(
     checks = [(batch, k) for batch in queued for k in range(len(batch.items))]
     with record_function("deltasync.decode.check_values"):
         sizes = [job[0].items[job[1]].nnz for job in checks]
-        map_shared(lambda job: job[0].check(job[1]), checks, sizes, serial=[n < TENSOR_COST for n in sizes])
+        map_shared(lambda job: job[0].check(job[1]), checks, sizes, serial=[mostly_python(n) for n in sizes])
     out = {name: patch for batch in queued for name, patch in batch.decoded.items()}
     return {item.name: out[item.name] for item in items}
 
@@ -294,7 +294,7 @@ class _Packing:
             out[at : at + 8 * len(column)] = column.view(np.uint8)
             at += 8 * len(column)
         map_shared(lambda k: self._place(out, items[k], k), range(len(items)), [item.nnz for item in items],
-                   serial=[item.nnz < TENSOR_COST for item in items])
+                   serial=[mostly_python(item.nnz) for item in items])
 
     def _place(self, out: np.ndarray, item: Streams, k: int) -> None:
         """Put one tensor's planes into its columns of the shared layouts, and its side gaps: inflated

@@ -22,7 +22,7 @@ from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
 from ..codec.packed import chunks, decode_chunk, work
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
 from ..gc_pause import collector_paused
-from ..parallel import TENSOR_COST, map_shared
+from ..parallel import map_shared, mostly_python
 from ..tensors import TensorSpec
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
 from .layout import packed
@@ -226,7 +226,8 @@ def decode_entries(
         groups = [[names[k] for k in group] for group in chunks([wanted[n].nnz for n in names], kinds)]
         sizes = [[wanted[n].nnz for n in group] for group in groups]
         # Chunks of tensors too small for their compiled work to outweigh their Python: one thread takes them all.
-        found = map_shared(chunk, groups, [work(s) for s in sizes], serial=[sum(s) < TENSOR_COST * len(s) for s in sizes])
+        found = map_shared(chunk, groups, [work(s) for s in sizes],
+                           serial=[mostly_python(sum(s), len(s)) for s in sizes])
         decoded = {name: patch for group, patches in zip(groups, found) for name, patch in zip(group, patches)}
         results = {name: decoded[name] for name in names}
     _raise_first(results)

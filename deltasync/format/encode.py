@@ -22,7 +22,7 @@ import torch
 from ..codec import DEFAULT_CODEC, get_codec
 from ..diff import ChangeSet, TensorChange
 from ..gc_pause import collector_paused
-from ..parallel import TENSOR_COST, map_shared
+from ..parallel import map_shared, mostly_python
 from ..tensors import TensorSpec, settle
 from .header import (
     SAFETENSORS_DTYPES,
@@ -109,7 +109,7 @@ def encode_delta(
     full = _full_specs(specs, [c.spec for c in changes.changes], rows)
     sizes = [c.nnz for c in changes.changes]
     # Tensors too small for their compiled work to outweigh their Python: one thread encodes them all.
-    results = map_shared(encode_one, changes.changes, sizes, workers, serial=[n < TENSOR_COST for n in sizes])
+    results = map_shared(encode_one, changes.changes, sizes, workers, serial=[mostly_python(n) for n in sizes])
     for change, (name, encoded) in zip(changes.changes, results):
         parts = {f"{change.spec.name}::{part}": array.contiguous() for part, array in encoded.parts.items()}
         tensors.update(parts)
