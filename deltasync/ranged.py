@@ -95,13 +95,10 @@ def fetch_tensors(store: Store, ref: ObjectRef, wanted: Callable[[str], bool], *
         expected = header.tensors[name].digest
         if expected is None:
             raise DeltaFormatError(f"{ref.key}: no digest for {name}; download the object whole", key=ref.key)
-        h = digests.hasher(expected[0], sum(spans[key][1] - spans[key][0] for key in keys[name]))
-        for key in sorted(keys[name]):
-            raw = chunks[spans[key]]
-            h.update(raw)
-            entries[key] = _tensor(raw, layout[key])
-        if h.hexdigest() != expected[1]:
+        raws = {key: chunks[spans[key]] for key in sorted(keys[name])}
+        if not digests.matches(raws.values(), *expected):
             raise IntegrityError(f"{ref.key}: bytes of {name} differ from the header's hash", key=ref.key, name=name)
+        entries.update((key, _tensor(raw, layout[key])) for key, raw in raws.items())
     return Fetched(header, names, entries, size + body_read, requests + 1)
 
 
