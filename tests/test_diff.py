@@ -391,6 +391,22 @@ class TestDevicePath:
             self.assert_same(cpu, found)
             snap.advance(cpu)
 
+    def test_tensors_of_odd_sizes_search_their_tails_together(self) -> None:
+        """A tensor whose size is not a whole number of words leaves a tail of a few elements, searched
+        element by element: every tensor's tail shares one group, every tensor's words another (each group
+        costs a dozen ops; a group per tensor cost 6500 ops here against 1900)."""
+        gen = torch.Generator().manual_seed(9)
+        live = {f"t{i}": torch.randn(40003, generator=gen) for i in range(40)}
+        snap = Snapshot({name: t.to(BF16) for name, t in live.items()})  # allocated one by one
+        for _ in range(2):  # the first version counts; the second searches
+            for t in live.values():
+                t[torch.randint(0, 40003, (400,), generator=gen)] += 0.5
+            with recorded_ops() as ops:
+                device = diff(snap, live, on_device=True)
+            self.assert_same(diff(snap, live), device)
+            snap.advance(device)
+        assert ops.count("aten.cumsum") <= 12 and ops.count("aten.nonzero_static") <= 2 * 40 + 4
+
     def test_weights_that_cannot_be_viewed_as_words(self) -> None:
         """bf16 live weights at an odd offset (a view into a flat buffer): compared element by element."""
         flat = torch.randn(4001).to(BF16)
