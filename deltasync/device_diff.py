@@ -5,9 +5,17 @@ finds them. On an accelerator every such expansion (``nonzero``, a copy to the
 host) makes the host wait for the device, hundreds of times per version. This
 path queues everything and waits twice:
 
-1. **Search**, for every chunk of every tensor, queued: cast to the published
-   dtype, compare with the snapshot as 8-byte words (four bf16 elements a
-   compare, so the mask and the scan over it are a quarter of the elements'), take
+0. **Chunks**: a large tensor is compared in chunks of ``chunk`` elements; small
+   tensors that lie one after another in the snapshot's memory (a
+   :class:`~deltasync.diff.Snapshot` keeps them side by side in blocks, each at an
+   8-byte boundary) are compared a run at a time, as one chunk: a model of
+   thousands of small tensors (a Mixture-of-Experts model's experts, norms)
+   costs a few ops per block instead of a few per tensor. A found element's
+   tensor and index come from where it lies in the run.
+1. **Search**, for every chunk, queued: cast to the published
+   dtype (a run's tensors side by side in one call), compare with the snapshot as
+   8-byte words (four bf16 elements a compare, so the mask and the scan over it
+   are a quarter of the elements'), take
    the positions of up to ``bound`` changed words (``nonzero_static``: a fixed
    size, no wait) and gather those words: six kernels per chunk. Then, once for a
    group of chunks, compare the gathered words' elements and keep up to the
@@ -17,11 +25,12 @@ path queues everything and waits twice:
    :class:`~deltasync.diff.Snapshot`): at RL learning rates the changed fraction
    moves little between steps. A chunk whose bound is above a sixteenth of its
    elements is searched element by element (most of its words change anyway).
-2. **Wait 1**: per chunk, the changed words and elements found reach the host in
-   one copy. A chunk that filled its bound (it may have more) is counted
-   exactly, one more wait that version; a chunk without history (the first
-   version) or one that changed densely last time was counted instead of
-   searched (cast, compare, count), queued with the searches.
+2. **Wait 1**: per chunk, the changed words and elements found (and per tensor
+   of a run, its changed elements) reach the host in one copy. A chunk that
+   filled its bound (it may have more) is counted exactly, one more wait that
+   version; a chunk without history (the first version) or one that changed
+   densely last time was counted instead of searched (cast, compare, count),
+   queued with the searches.
 3. Tensors above ``dense_fraction`` are cast whole into an output; a chunk whose
    changes were not all found (counted, or cut by its group's bound) is searched
    now with its exact count as bound, which cuts nothing.
@@ -47,11 +56,13 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from .diff_chunks import Chunk, chunks
 from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums, settle
 
-__all__ = ["DeviceChange", "GROUP", "SLACK", "WaitCounter", "changes_on_device", "host_waits", "to_device", "to_host"]
-
-_WORD = 8  # bytes compared at once by a search
+__all__ = [
+    "DeviceChange", "GROUP", "SLACK", "Tally", "WaitCounter", "changes_on_device", "host_waits", "searched_chunks",
+    "to_device", "to_host",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +81,18 @@ class DeviceChange:
     """Old bit patterns at ``indices``; ``None`` when carried whole."""
 
 
-class WaitCounter:
-    """How many times this process waited for a device's results in one device path (callable: the count)."""
+class Tally:
+    """A count the device paths keep for tests and benchmarks to read (callable: the count)."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def __call__(self) -> int:
         return self.count
+
+
+class WaitCounter(Tally):
+    """How many times this process waited for a device's results in one device path (callable: the count)."""
 
     def wait(self, *devices: torch.device) -> None:
         """Wait for everything queued on ``devices`` (their copies to the host included), and count it once."""
@@ -102,6 +117,8 @@ def to_device(values: Sequence[Sequence[int]], device: torch.device) -> torch.Te
 
 host_waits = WaitCounter()
 """``host_waits()``: the waits so far (two per call of :func:`changes_on_device` that found changes)."""
+searched_chunks = Tally()
+"""``searched_chunks()``: the chunks :func:`changes_on_device` has compared so far (a run of small tensors is one)."""
 
 
 SLACK = 1024
@@ -134,7 +151,8 @@ def changes_on_device(
     Returns:
         `list[DeviceChange]`: the tensors that changed, in order; indices and values on the host.
     """
-    jobs = list(_chunks(specs, published, live, chunk))
+    jobs = list(chunks(published, live, chunk))
+    searched_chunks.count += len(jobs)
     if not jobs:
         return []
     history = {} if history is None else history
@@ -147,17 +165,25 @@ def changes_on_device(
         if last is not None and last <= dense_fraction * job.numel:
             bounds[k] = min(2 * last + SLACK, job.numel)
         else:
-            counted[k] = torch.ne(_new_bits(job, scratch), job.old).sum()
+            counted[k] = _count(job, scratch)
     with record_function("deltasync.diff.search"):
         searched = [_search(jobs, group, bounds, scratch, words) for group, words in _groups(jobs, bounds)]  # queued
     host_waits.count += 1  # wait 1: the counts and what each search found, in one copy
     home = jobs[0].old.device
-    found_on_device = [group.found.view(-1).to(home) for group in searched]
-    if counted:
-        found_on_device.append(torch.stack(list(counted.values())).to(home))
+    found_on_device = [torch.cat([group.found.view(-1), group.counts]).to(home) for group in searched]
+    found_on_device += [counts.to(home) for counts in counted.values()]
     with record_function("deltasync.diff.wait_found"):
-        flat = torch.cat(found_on_device).tolist()  # searches' (words, elements) pairs, then the counts
-    exact = dict(zip(counted, flat[len(flat) - len(counted) :]))
+        flat = torch.cat(found_on_device).tolist()  # per search, its (words, elements) pairs and member counts
+    exact: dict[int, list[int]] = {}  # chunk -> changed elements of each of its members
+    at_flat = 0
+    for group in searched:
+        at_flat += 2 * len(group.jobs)
+        for k in group.jobs:
+            exact[k] = flat[at_flat : at_flat + len(jobs[k].members)]
+            at_flat += len(jobs[k].members)
+    for k in counted:
+        exact[k] = flat[at_flat : at_flat + len(jobs[k].members)]
+        at_flat += len(jobs[k].members)
     found: dict[int, tuple[_Group, int]] = {}  # job -> (its search, where its changes start in it)
     unknown = []
     at_flat = 0
@@ -168,98 +194,78 @@ def changes_on_device(
             at_flat += 2
             if words >= bounds[k]:  # the bound was reached: there may be more
                 unknown.append(k)
-            else:
-                exact[k] = elements
-                if at + elements <= group.size:  # else cut by the group's element bound: searched again
-                    found[k] = (group, at)
+            elif at + elements <= group.size:  # else cut by the group's element bound: searched again
+                found[k] = (group, at)
             at += elements  # the elements of every word found take their place, a chunk's after the last's
+        at_flat += sum(len(jobs[k].members) for k in group.jobs)
     if unknown:  # one more wait, for the exact counts of the searches that overflowed
         host_waits.count += 1
-        recount = torch.stack([torch.ne(_new_bits(jobs[k], scratch), jobs[k].old).sum() for k in unknown])
-        exact.update(zip(unknown, recount.tolist()))
+        recount = torch.cat([_count(jobs[k], scratch) for k in unknown]).tolist()
+        for k in unknown:
+            exact[k], recount = recount[: len(jobs[k].members)], recount[len(jobs[k].members) :]
     per_tensor = [0] * len(specs)
+    total: dict[int, int] = {}
     for k, job in enumerate(jobs):
-        per_tensor[job.tensor] += exact[k]
-        history[job.key] = exact[k]
+        for (tensor, _, _), n in zip(job.members, exact[k]):
+            per_tensor[tensor] += n
+        total[k] = history[job.key] = sum(exact[k])
     dense = {i for i, n in enumerate(per_tensor) if n and n > dense_fraction * specs[i].numel}
     # Queued: dense tensors whole; chunks without complete results searched with their exact counts.
     whole = {i: to_host(_published_bits(live[i], published[i])) for i in sorted(dense)}
-    again = {k: exact[k] for k, job in enumerate(jobs) if exact[k] and job.tensor not in dense and k not in found}
+    wanted: dict[int, list[tuple[int, int]]] = {}  # per chunk: (tensor, count) of the members to read
+    for k, job in enumerate(jobs):
+        members = [(t, n) for (t, _, _), n in zip(job.members, exact[k]) if n and t not in dense]
+        if members:
+            wanted[k] = members
+    used = list(wanted)
+    again = {k: total[k] for k in used if k not in found}
     for group in (_search(jobs, members, again, scratch, words) for members, words in _groups(jobs, again)):
         at = 0
         for k in group.jobs:
             found[k] = (group, at)
-            at += exact[k]
-    used = [k for k, job in enumerate(jobs) if exact[k] and job.tensor not in dense]
+            at += total[k]
     ends: dict[int, tuple[_Group, int]] = {}  # per search read from: how many of its changes are needed
     for k in used:
         group, at = found[k]
-        ends[id(group)] = (group, max(ends.get(id(group), (group, 0))[1], at + exact[k]))
+        ends[id(group)] = (group, max(ends.get(id(group), (group, 0))[1], at + total[k]))
     on_host = {key: group.to_host(end) for key, (group, end) in ends.items()}
     with record_function("deltasync.diff.wait_changes"):
         host_waits.wait(*devices)  # wait 2: every copy above has landed
-    pieces: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    # Each search's results cut into every member's changes by one split per column (a slice each costs more).
+    cuts: dict[int, list[tuple[int, int, int, int]]] = {}  # per search: (start, count, tensor, chunk)
     for k in used:
         group, at = found[k]
-        pieces.setdefault(jobs[k].tensor, []).append(tuple(t[at : at + exact[k]] for t in on_host[id(group)]))
+        for (tensor, _, _), n in zip(jobs[k].members, exact[k]):
+            if n and tensor not in dense:
+                cuts.setdefault(id(group), []).append((at, n, tensor, k))
+            at += n
+    pieces: dict[int, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}  # per tensor: (chunk, its changes there)
+    for key, items in cuts.items():
+        items.sort()
+        sizes, owners, at = [], [], 0
+        for start, n, tensor, k in items:
+            if start > at:
+                sizes.append(start - at)
+                owners.append(None)
+            sizes.append(n)
+            owners.append((tensor, k))
+            at = start + n
+        columns = [t[:at].split(sizes) for t in on_host[key]]
+        for owner, *piece in zip(owners, *columns):
+            if owner is not None:
+                pieces.setdefault(owner[0], []).append((owner[1], tuple(piece)))
     out = []
     for i, n in enumerate(per_tensor):
         if i in dense:
             out.append(DeviceChange(i, n, None, whole[i], None))
         elif n:
-            parts = pieces[i]
+            parts = [piece for _, piece in sorted(pieces[i], key=lambda item: item[0])]  # in chunk order
             idx, new, old = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
             out.append(DeviceChange(i, n, idx, new, old))
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    tensor: int
-    start: int
-    new: torch.Tensor
-    old: torch.Tensor
-    bits: torch.dtype
-    published: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return self.old.numel()
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        """Which chunk this is, from one call to the next (its history entry)."""
-        return self.tensor, self.start, self.old.numel()
-
-    @property
-    def per_word(self) -> int:
-        """Elements per 8-byte word compared at once: 1 where the chunk cannot be viewed as words (a live
-        tensor at an odd offset, a chunk's last few elements)."""
-        width = self.old.element_size()
-        cast = self.new.dtype != self.published or self.new.device != self.old.device  # into aligned scratch
-        per_word = _WORD // width
-        whole = self.numel % per_word == 0 and self.start % per_word == 0 and self.old.data_ptr() % _WORD == 0
-        return per_word if whole and (cast or self.new.data_ptr() % _WORD == 0) else 1
-
-
-def _chunks(
-    specs: Sequence[TensorSpec], published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chunk: int
-) -> Iterator[_Chunk]:
-    """Every tensor in chunks of ``chunk`` elements; a chunk's last few elements that do not fill an
-    8-byte word are a chunk of their own (compared element by element)."""
-    for i, (spec, snap, weights) in enumerate(zip(specs, published, live)):
-        bits = BITS_BY_SIZE[snap.element_size()]
-        per_word = _WORD // snap.element_size()
-        old, new = snap.view(bits).view(-1), weights.detach().reshape(-1)
-        for start in range(0, spec.numel, chunk):
-            stop = min(start + chunk, spec.numel)
-            cut = stop - (stop - start) % per_word if stop - start > per_word else stop
-            for a, b in ((start, cut), (cut, stop)):
-                if b > a:
-                    yield _Chunk(i, a, new[a:b], old[a:b], bits, snap.dtype)
-
-
-def _groups(jobs: Sequence[_Chunk], bounds: dict[int, int]) -> Iterator[tuple[list[int], int]]:
+def _groups(jobs: Sequence[Chunk], bounds: dict[int, int]) -> Iterator[tuple[list[int], int]]:
     """The chunks of ``bounds`` in groups of one device, bit width and word size (elements per word), of
     at most :data:`GROUP` words each (or one chunk), each group's chunks in order.
 
@@ -284,15 +290,31 @@ def _groups(jobs: Sequence[_Chunk], bounds: dict[int, int]) -> Iterator[tuple[li
         yield group, per_word
 
 
-def _new_bits(job: _Chunk, scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """The chunk's live weights as published bit patterns, on the snapshot's device (cast into a reused buffer)."""
-    if job.new.dtype == job.published and job.new.device == job.old.device:
-        return job.new.view(job.bits)
+def _new_bits(job: Chunk, scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """The chunk's live weights as published bit patterns, on the snapshot's device (cast into a reused
+    buffer; a run's tensors side by side in it, in one call)."""
+    new = job.sources[0]
+    if not job.run and new.dtype == job.published and new.device == job.old.device:
+        return new.view(job.bits)
     key = (job.old.device, job.published)
-    if key not in scratch or scratch[key].numel() < job.new.numel():
-        scratch[key] = torch.empty(max(job.new.numel(), job.old.numel()), dtype=job.published, device=job.old.device)
+    if key not in scratch or scratch[key].numel() < job.numel:
+        scratch[key] = torch.empty(job.numel, dtype=job.published, device=job.old.device)
     # In stream order, the next chunk's cast waits for this chunk's reads of the buffer: no host wait.
-    return scratch[key][: job.new.numel()].copy_(job.new).view(job.bits)
+    out = scratch[key][: job.numel]
+    if job.run:  # one call for all (on CUDA a few fused kernels instead of one per tensor)
+        torch._foreach_copy_(list(out.split([t.numel() for t in job.sources])), list(job.sources))
+    else:
+        out.copy_(new)
+    return out.view(job.bits)
+
+
+def _count(job: Chunk, scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """Changed elements of each member of the chunk (int64, on the device; queued)."""
+    changed = torch.ne(_new_bits(job, scratch), job.old)
+    if len(job.members) == 1:
+        return changed.sum().view(1)
+    spans = to_device([[n for _, _, n in job.members]], job.old.device)[0]
+    return segment_sums(changed, spans)
 
 
 def _published_bits(live: torch.Tensor, published: torch.Tensor) -> torch.Tensor:
@@ -314,6 +336,8 @@ class _Group:
     old: torch.Tensor
     found: torch.Tensor
     """Per chunk, ``[changed words found, changed elements in them]`` (int64, on the device)."""
+    counts: torch.Tensor
+    """Per member of each chunk in turn, its changed elements in the words found (int64, on the device)."""
 
     def to_host(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first ``count`` changes, copied to the host asynchronously (read them after a wait)."""
@@ -321,7 +345,7 @@ class _Group:
 
 
 def _search(
-    jobs: Sequence[_Chunk],
+    jobs: Sequence[Chunk],
     members: list[int],
     bounds: dict[int, int],
     scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor],
@@ -332,6 +356,8 @@ def _search(
 
     A word is 8 bytes of bit patterns (4 bf16 elements): comparing and scanning words moves a quarter of
     the mask an element-wise compare would, and only the words found are compared element by element.
+    Each found element's tensor and index come from where it lies among the group's chunks laid end to
+    end, against where each chunk's members (the tensors of a run) start there.
     """
     device = jobs[members[0]].old.device
     words, new_rows, old_rows = [], [], []
@@ -349,13 +375,29 @@ def _search(
     # Once for the group: which found words are real, which of their elements changed, where those are.
     hit, new_all, old_all = torch.cat(words), torch.cat(new_rows), torch.cat(old_rows)
     size = hit.numel()
-    table = to_device([[bounds[k], jobs[k].start // per_word] for k in members], device)
+    chunk_rows, member_rows, at = [], [], 0  # at: where a chunk starts, in words, with the group end to end
+    for k in members:
+        chunk_rows.append([bounds[k], at, at + jobs[k].numel // per_word])
+        start = at * per_word
+        for _, first, count in jobs[k].members:
+            member_rows.append([start, first])  # where it starts in the group, its index there
+            start += count
+        at += jobs[k].numel // per_word
+    table = to_device(chunk_rows, device)
+    spans = to_device([*member_rows, [at * per_word, 0]], device)  # and the group's end
     owner = segment_owners(table[:, 0], size)
     real = hit >= 0
+    place = torch.where(real, hit + table[:, 1][owner], table[:, 2][owner])  # ascending; a slot left: its chunk's end
     changed = torch.ne(new_all, old_all).logical_and_(real.unsqueeze(1))
-    found = torch.stack([segment_sums(real, table[:, 0]), segment_sums(changed.sum(1), table[:, 0])], 1)
-    at = positions(changed.view(-1), size, fill=-1).clamp_(min=0)  # among the found words' elements
-    slot = torch.div(at, per_word, rounding_mode="floor")
-    word = hit.add_(table[:, 1][owner])[slot]  # in the tensor (padding slots hold garbage, never read)
-    index = word.mul_(per_word).add_(at - slot * per_word)
-    return _Group(members, size, index, new_all.view(-1)[at], old_all.view(-1)[at], found)
+    per_word_changed = changed.sum(1)
+    found = torch.stack([segment_sums(real, table[:, 0]), segment_sums(per_word_changed, table[:, 0])], 1)
+    # Per member (every member starts on a word), its changes among the words found: prefix-sum differences.
+    summed = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), per_word_changed.cumsum(0)])
+    edges = torch.searchsorted(place, torch.div(spans[:, 0], per_word, rounding_mode="floor"))
+    counts = summed[edges[1:]] - summed[edges[:-1]]
+    at_found = positions(changed.view(-1), size, fill=-1).clamp_(min=0)  # among the found words' elements
+    slot = torch.div(at_found, per_word, rounding_mode="floor")
+    spot = place[slot].mul_(per_word).add_(at_found - slot * per_word)  # padding slots: garbage, never read
+    member = torch.searchsorted(spans[:-1, 0].contiguous(), spot, right=True).sub_(1).clamp_(min=0)
+    index = spot.sub_(spans[:, 0][member]).add_(spans[:, 1][member])
+    return _Group(members, size, index, new_all.view(-1)[at_found], old_all.view(-1)[at_found], found, counts)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .device_diff import changes_on_device
+from .diff_chunks import blocks
 from .errors import TensorMismatch
 from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, settle, write_at
 
@@ -120,7 +121,10 @@ class ChangeSet:
 
 
 class Snapshot:
-    """The last published weights, one flat copy per tensor in the published dtype.
+    """The last published weights, one contiguous copy per tensor in the published dtype.
+
+    :meth:`capture` keeps consecutive small tensors of one dtype and device side by side in shared blocks
+    (see :func:`~deltasync.diff_chunks.blocks`), which the device path compares a block at a time.
 
     Args:
         tensors (`Mapping[str, torch.Tensor]`): published name -> copy (any shape).
@@ -149,13 +153,19 @@ class Snapshot:
                 tensors a source names in ``own_dtype``, see :func:`~deltasync.tensors.published_dtype`).
             device (*optional*): where to keep the copy; defaults to each tensor's device.
         """
+        found = [(name, tensor.detach(), published_dtype(source, name, tensor, dtype))
+                 for name, tensor in published_tensors(source)]
+        places = [(t.numel(), kind, torch.device(device or t.device)) for _, t, kind in found]
         copies = {}
-        for name, tensor in published_tensors(source):
+        for block in blocks(places, DEVICE_CHUNK):
             # Always contiguous, in logical (row-major) order, whatever the live tensor's strides:
             # flat indices mean the same thing on both sides of the wire.
-            kind = published_dtype(source, name, tensor, dtype)
-            copy = torch.empty(tensor.shape, dtype=kind, device=device or tensor.device)
-            copies[name] = copy.copy_(tensor.detach())
+            last, end = block[-1]
+            _, kind, where = places[last]
+            memory = torch.empty(end + places[last][0], dtype=kind, device=where)
+            for k, at in block:
+                name, tensor, _ = found[k]
+                copies[name] = memory[at : at + tensor.numel()].view(tensor.shape).copy_(tensor)
         settle(t.device for t in copies.values())  # read next on the publisher's thread (the first anchor)
         return cls(copies)
 

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "deltasync.stores": 2,
     "deltasync.diff": 2,
     "deltasync.device_diff": 2,
+    "deltasync.diff_chunks": 2,
     "deltasync.forms": 2,
     "deltasync.codec": 3,
     "deltasync.format": 4,

@@ -407,6 +407,68 @@ class TestDevicePath:
             snap.advance(device)
         assert ops.count("aten.cumsum") <= 12 and ops.count("aten.nonzero_static") <= 2 * 40 + 4
 
+    @pytest.mark.parametrize("chunk", [None, 5000, 300])
+    @pytest.mark.parametrize("slack", [8, 1024])
+    @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+    def test_small_tensors_are_compared_a_block_at_a_time(self, monkeypatch: pytest.MonkeyPatch,
+                                                          chunk: int | None, slack: int, device: str) -> None:
+        """A snapshot keeps small tensors side by side in shared blocks (each at an 8-byte boundary); the
+        device path compares a run of them as one chunk (a few ops a block, not a few a tensor) and finds
+        what the CPU path finds, version after version: quiet steps, a step with far more changes (bounds
+        overflow), whole words changing, a tensor turning dense inside a run, odd sizes, empty tensors."""
+        from deltasync import device_diff
+
+        monkeypatch.setattr(device_diff, "SLACK", slack)
+        gen = torch.Generator().manual_seed(11)
+        sizes = [int(n) for n in torch.randint(0, 700, (120,), generator=gen)] + [0, 1, 3, 4096]
+        live = {f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+        live["bf16"] = torch.randn(333, generator=gen).to(BF16)  # published as it is: bits copied, not cast
+        snap = Snapshot.capture(live)
+        there = Snapshot.capture({name: t.to(device) for name, t in live.items()})
+        storages = {t.untyped_storage().data_ptr() for _, t in there.items() if t.numel()}
+        assert len(storages) == 1 and all(t.data_ptr() % 8 == 0 for _, t in there.items())
+        steps = [(0.01, False), (0.01, False), (0.2, False), (0.02, True), (0.01, False), (0.0, False)]
+        waits = []
+        for number, (fraction, clustered) in enumerate(steps):
+            for name, tensor in live.items():
+                flat = tensor.view(-1)
+                k = int(fraction * flat.numel()) + (number % 2 and flat.numel() > 0)
+                if clustered and flat.numel() >= 8:
+                    where = torch.randperm(flat.numel() // 4, generator=gen)[: max(k // 4, 1)] * 4
+                    where = (where[:, None] + torch.arange(4)).view(-1)
+                else:
+                    where = torch.randperm(flat.numel(), generator=gen)[:k]
+                flat[where] += 0.25
+            if number == 4:
+                live["t7"] += 1.0  # every element of one tensor in the middle of the run: dense
+            before_chunks, before_waits = device_diff.searched_chunks(), device_diff.host_waits()
+            with recorded_ops() as ops:
+                found = diff(there, {name: t.to(device) for name, t in live.items()}, chunk=chunk, on_device=True)
+            cpu = diff(snap, live, chunk=chunk)
+            self.assert_same(cpu, found)
+            assert any(c.dense and c.spec.name == "t7" for c in found.changes) == (number == 4)
+            if chunk is None:  # the whole model is one run and its last few elements (2 chunks, not 125)
+                assert device_diff.searched_chunks() - before_chunks == 2
+                assert ops.count("aten.nonzero_static") <= 6 and ops.count("aten.ne") <= 8
+            waits.append(device_diff.host_waits() - before_waits)
+            snap.advance(cpu)
+            there.advance(found)
+        assert diff(there, {name: t.to(device) for name, t in live.items()}, on_device=True).changes == ()
+        assert set(waits) <= {2, 3} and (3 in waits or slack > 8)  # a tight bound overflows: one more wait
+
+    def test_a_snapshot_keeps_large_tensors_apart_and_small_ones_in_blocks(self) -> None:
+        from deltasync.diff import DEVICE_CHUNK
+
+        live = {"a": torch.randn(3), "b": torch.randn(5), "big": torch.zeros(DEVICE_CHUNK + 1, dtype=BF16),
+                "c": torch.randn(2).to(torch.float16), "d": torch.randn(7)}
+        snap = Snapshot.capture(live, dtype=None)
+        storage = {name: t.untyped_storage().data_ptr() for name, t in snap.items()}
+        assert storage["a"] == storage["b"] and len(set(storage.values())) == 4  # dtypes split blocks too
+        assert snap["b"].storage_offset() == 4 and snap.nbytes == 4 * 15 + 2 * (DEVICE_CHUNK + 3)
+        for name, tensor in live.items():
+            assert snap[name].is_contiguous() and torch.equal(snap[name], tensor)
+
     def test_weights_that_cannot_be_viewed_as_words(self) -> None:
         """bf16 live weights at an odd offset (a view into a flat buffer): compared element by element."""
         flat = torch.randn(4001).to(BF16)
@@ -525,3 +587,30 @@ def test_write_at_on_cuda_keeps_index_copy_and_is_exact() -> None:
         write_at(flat, index, values)
     assert "aten.index_copy_" in ops
     assert torch.equal(flat[index], values) and int(torch.count_nonzero(flat)) == len(index)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=24),
+    kinds=st.lists(st.sampled_from(["f32", "bf16", "f16"]), min_size=24, max_size=24),
+    chunk=st.sampled_from([3, 64, 700, 1 << 20]),
+    fractions=st.lists(st.floats(0, 0.6), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_device_path_finds_what_the_cpu_path_finds_in_runs_of_any_layout(
+    sizes: list[int], kinds: list[str], chunk: int, fractions: list[float], seed: int
+) -> None:
+    """Runs of small tensors of any sizes (odd ones padded to 8 bytes), published dtypes side by side or
+    apart, any chunk size, several versions: the device path's indices and bits are the CPU path's."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = {"f32": torch.float32, "bf16": BF16, "f16": torch.float16}
+    live = {f"t{i}": torch.randn(n, generator=gen).to(dtypes[kind]) for i, (n, kind) in enumerate(zip(sizes, kinds))}
+    snap, there = Snapshot.capture(live, dtype=None), Snapshot.capture(live, dtype=None)
+    for fraction in fractions:
+        for tensor in live.values():
+            flat = tensor.view(-1)
+            flat[torch.rand(flat.numel(), generator=gen) < fraction] += 1.0
+        found, cpu = diff(there, live, chunk=chunk, on_device=True), diff(snap, live, chunk=chunk)
+        TestDevicePath.assert_same(cpu, found)
+        snap.advance(cpu)
+        there.advance(found)
