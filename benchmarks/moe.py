@@ -64,7 +64,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))  # the vLLM worker imports tests.vllm_helpers by name
 
 import torch  # noqa: E402
-
 from _common import human_bytes, median, shared_machine, table, write_json  # noqa: E402
 
 EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _entropy import entropy_floors  # noqa: E402
 from _common import (  # noqa: E402
     best_interleaved,
     best_timed,
@@ -61,6 +60,7 @@ from _common import (  # noqa: E402
     timed,
     write_json,
 )
+from _entropy import entropy_floors  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402

@@ -52,8 +52,8 @@ from _common import human_bytes, loopback_store, machine, write_json  # noqa: E4
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.demo.workload import make_weights, train_step  # noqa: E402
 from deltasync.manifest import MANIFEST_KEY, Manifest  # noqa: E402
-from deltasync.retired import named_keys  # noqa: E402
 from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
+from deltasync.retired import named_keys  # noqa: E402
 from deltasync.stores import open_store  # noqa: E402
 from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.tensors import weights_digest as digest  # noqa: E402

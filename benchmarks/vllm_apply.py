@@ -56,8 +56,8 @@ def main() -> None:
     import safetensors.torch
     import torch
 
-    from deltasync.appliers.wire import pack
     from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.wire import pack
     from deltasync.format import decode
     from deltasync.models import smollm2_checkpoint
     from deltasync.publisher import Publisher

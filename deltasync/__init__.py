@@ -13,9 +13,9 @@ The trainer publishes; replicas follow; the store is the wire::
 from __future__ import annotations
 
 from .appliers import TorchModuleApplier
-from .resume import Committed, last_committed
 from .errors import DeltaSyncError
 from .publisher import Publisher
+from .resume import Committed, last_committed
 from .stores import open_store
 from .subscriber import Subscriber
 

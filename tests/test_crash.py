@@ -150,10 +150,8 @@ def _anchor_parts_since(store: str, options: dict[str, Any], since: float) -> in
 
 def _leftovers(store: str, options: dict[str, Any]) -> int:
     from deltasync.commit import classify_orphans
-    from deltasync.manifest import MANIFEST_KEY, Manifest
-
     from deltasync.errors import ObjectNotFound
-    from deltasync.manifest import new_manifest
+    from deltasync.manifest import MANIFEST_KEY, Manifest, new_manifest
 
     opened = open_store(store, **options)
     try:

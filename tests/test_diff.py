@@ -15,7 +15,13 @@ import deltasync.diff as diff_module
 from deltasync.diff import Snapshot, _sparse_nonzero, diff
 from deltasync.errors import TensorMismatch
 from deltasync.tensors import SCATTERED, bits_view, fingerprint, positions, scattered_positions, write_at
-from tests.dispatch_helpers import host_wait_ops, recorded_ops, recorded_shapes, scans_along_rows, without_static_nonzero
+from tests.dispatch_helpers import (
+    host_wait_ops,
+    recorded_ops,
+    recorded_shapes,
+    scans_along_rows,
+    without_static_nonzero,
+)
 
 BF16 = torch.bfloat16
 

@@ -25,8 +25,8 @@ import torch
 from deltasync.appliers import TorchModuleApplier
 from deltasync.demo.workload import make_weights, train_step
 from deltasync.manifest import MANIFEST_KEY, Manifest
-from deltasync.retired import named_keys
 from deltasync.publisher import Publisher, PublishInfo
+from deltasync.retired import named_keys
 from deltasync.stores import open_store
 from deltasync.subscriber import Subscriber, UpdateInfo
 from deltasync.tensors import weights_digest as digest

@@ -65,9 +65,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, DeltaSyncError, ObjectNotFound, PreconditionFailed, StoreError, require
 from ._hf_feed import BucketFeed, live_follow_reader
-from .base import (
-    ChangeFeed, HostCheck, ObjectInfo, PutMode, Store, check_key, check_limit, check_prefix, check_size,
-)
+from .base import ChangeFeed, HostCheck, ObjectInfo, PutMode, Store, check_key, check_limit, check_prefix, check_size
 
 __all__ = ["HFBucketStore", "parse_bucket_url"]
 
