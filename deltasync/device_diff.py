@@ -13,7 +13,7 @@ path queues everything and waits twice:
    costs a few ops per block instead of a few per tensor. A found element's
    tensor and index come from where it lies in the run.
 1. **Search**, for every chunk, queued: cast to the published
-   dtype (a run's tensors side by side in one call), compare with the snapshot as
+   dtype (a run's tensors side by side, one call per source dtype), compare with the snapshot as
    8-byte words (four bf16 elements a compare, so the mask and the scan over it
    are a quarter of the elements'), take
    the positions of up to ``bound`` changed words (``nonzero_static``: a fixed
@@ -301,10 +301,17 @@ def _new_bits(job: Chunk, scratch: dict[tuple[torch.device, torch.dtype], torch.
         scratch[key] = torch.empty(job.numel, dtype=job.published, device=job.old.device)
     # In stream order, the next chunk's cast waits for this chunk's reads of the buffer: no host wait.
     out = scratch[key][: job.numel]
-    if job.run:  # one call for all (on CUDA a few fused kernels instead of one per tensor)
-        torch._foreach_copy_(list(out.split([t.numel() for t in job.sources])), list(job.sources))
-    else:
-        out.copy_(new)
+    if not job.run:
+        return out.copy_(new).view(job.bits)
+    # One call per source dtype (the live weights; the padding's, from the snapshot), which CUDA runs as one
+    # fused kernel where every source has one dtype: a few launches a run instead of one a tensor.
+    calls: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for place, source in zip(out.split([t.numel() for t in job.sources]), job.sources):
+        places, sources = calls.setdefault(source.dtype, ([], []))
+        places.append(place)
+        sources.append(source)
+    for places, sources in calls.values():
+        torch._foreach_copy_(places, sources)
     return out.view(job.bits)
 
 
