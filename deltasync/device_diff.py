@@ -106,10 +106,10 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
 
 
-def to_device(values: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """A small int64 table from the host, copied to ``device`` without a wait (through pinned memory on
-    CUDA: a copy from pageable memory would wait for everything queued before it)."""
-    table = torch.tensor(values, dtype=torch.int64)
+def to_device(values: Sequence[Sequence[int]] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small int64 table (or a tensor) from the host, copied to ``device`` without a wait (through pinned
+    memory on CUDA: a copy from pageable memory would wait for everything queued before it)."""
+    table = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)

@@ -188,6 +188,33 @@ def test_the_device_path_reads_and_writes_through_boxes_and_tables_exactly() -> 
     assert wrong == [{"tensor": "k.weight", "param": "k_t", "wrong": 1, "read": checked}]
 
 
+def test_read_backs_of_many_sampled_patches_are_compared_together() -> None:
+    """The read-back samples every sparse patch from one draw copied once per device and compares every
+    plain read of a device in one pass (a GPU's host would otherwise wait once per tensor: a small copy from
+    pageable memory waits for everything queued); a write that did not land is still found, in its tensor."""
+    from tests.dispatch_helpers import recorded_ops
+
+    gen = torch.Generator().manual_seed(4)
+    weights = {f"w{i}": torch.randn(4000, generator=gen).to(torch.bfloat16) for i in range(40)}
+    weights["f32"] = torch.randn(3000, generator=gen)  # another width: compared in a pass of its own
+    index = IndexMap.whole({n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in weights.items()})
+    new = {n: (t.float() + torch.where(torch.rand(t.numel(), generator=gen) < 0.2, 1.0, 0.0)).to(t.dtype)
+           for n, t in weights.items()}
+    data = encode_delta(diff(Snapshot.capture(weights, dtype=None), new), version=1, base_version=0)
+    patches = decode_here(index, [data], whole=False, on_device=True)
+    assert all(p.indices is not None and p.indices.numel() > 300 for p in patches)
+    write_patches(index, patches)
+    with recorded_ops() as ops:
+        checked, wrong = check_written(index, patches, samples=256)
+    assert (checked, wrong) == (256 * len(patches), [])
+    assert ops.count("aten.ne") == 2 and "aten.randint" not in ops  # one compare per width, one draw
+    assert checked == check_written(index, patches, samples=256)[0]
+    victim = next(p for p in patches if p.name == "w7")
+    index.targets["w7"][0].param.data.view(torch.int16)[victim.indices] += 1  # none of its writes landed
+    checked, wrong = check_written(index, patches, samples=256)
+    assert wrong == [{"tensor": "w7", "param": "w7", "wrong": 256, "read": 256}]
+
+
 def test_a_refusal_crosses_as_data_and_comes_back_as_its_own_class() -> None:
     exc = IntegrityError("k.weight: decoded values do not match", name="k.weight", where=object())
     back = refusal_from_json(refusal_to_json(exc))

@@ -51,6 +51,7 @@ Limitations:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -208,7 +209,7 @@ class Target:
         if self.table is not None:
             return int(self.table[0].numel())
         assert self.lo is not None and self.hi is not None
-        return int(np.prod([h - l for l, h in zip(self.lo, self.hi)]))
+        return math.prod([h - l for l, h in zip(self.lo, self.hi)])
 
     def translate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Positions in ``idx`` owned here (``None``: all of them) and their runtime flat indices."""
@@ -224,7 +225,7 @@ class Target:
         the parameter (always in bounds), to be masked out by the caller."""
         if self.flat is not None:
             a, b, shift = self.flat
-            if a == 0 and b == int(np.prod(self.ckpt_shape)):  # the whole tensor, shifted: no mask
+            if a == 0 and b == math.prod(self.ckpt_shape):  # the whole tensor, shifted: no mask
                 return None, idx + shift if shift else idx
             return (idx >= a) & (idx < b), idx.clamp(a, b - 1) + shift
         if self.table is not None:
@@ -256,7 +257,7 @@ class Target:
             return data.view(-1)[a + shift : b + shift], whole[a:b]
         assert self.lo is not None and self.hi is not None and self.offset is not None
         trailing = tuple(self.param.shape)[self.param.dim() - len(self.ckpt_shape) :]
-        block = data.view(-1)[self.base : self.base + int(np.prod(trailing))].view(trailing)
+        block = data.view(-1)[self.base : self.base + math.prod(trailing)].view(trailing)
         held = tuple(slice(lo + off, hi + off) for lo, hi, off in zip(self.lo, self.hi, self.offset))
         return block[held], whole.view(self.ckpt_shape)[tuple(slice(lo, hi) for lo, hi in zip(self.lo, self.hi))]
 
@@ -321,7 +322,7 @@ def _fit_box(
     shape, rshape = spec.shape, tuple(param.shape)
     if not c.numel() or len(shape) > len(rshape):
         return None
-    row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
     first, last = int(c.min()), int(c.max())
     shift = r - c
     # Fast exact check for whole rows moved by one shift (fused stacking, row and vocab shards,
@@ -347,7 +348,7 @@ def _fit_box(
         lo = tuple(int(x.min()) for x in cc)
         hi = tuple(int(x.max()) + 1 for x in cc)
         # Constant offsets make the map injective; full count makes it the whole box.
-        if int(np.prod([h - l for l, h in zip(lo, hi)])) == c.numel():
+        if math.prod([h - l for l, h in zip(lo, hi)]) == c.numel():
             offset = tuple(int(o[0]) for o in offsets)
             return Target(param, name, shape, layout, lo=lo, hi=hi, offset=offset, base=base)
     return None

@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..device_diff import to_device
 from ..errors import LayoutMismatch, TensorMismatch
-from ..tensors import TensorSpec, bits_view, host_ints
+from ..tensors import TensorSpec, bits_view, host_ints, segment_sums
 from .apply import Patch, plain_region, read_masked, read_through
 from .mapping import IndexMap, Target
 from .wire import pack, unpack
@@ -219,9 +220,11 @@ def check_written(
         `tuple[int, list[dict]]`: elements read back, and per (tensor, runtime parameter) that reads
         back wrong: ``{"tensor", "param", "wrong", "read"}`` (JSON-able, for the RPC answer).
     """
-    generator = torch.Generator().manual_seed(seed)
+    sampled = [p for p in patches if p.indices is not None and 0 < samples < p.indices.numel()]
+    picks = _picks(sampled, samples, torch.Generator().manual_seed(seed))
     # Counted where the weights live and copied back once per device: no host wait per tensor.
-    rows: list[tuple[str, str, torch.Tensor, torch.Tensor | int]] = []  # tensor, param, wrong, read
+    rows: list[tuple[str, str, torch.Tensor | int, torch.Tensor | int]] = []  # tensor, param, wrong, read
+    compared: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for patch in patches:
         idx: torch.Tensor | None
         if patch.indices is None:
@@ -231,8 +234,7 @@ def check_written(
         elif patch.indices.numel() <= samples:  # a small patch is read back whole
             idx, values = patch.indices, patch.values
         else:
-            pick = torch.randint(0, patch.indices.numel(), (samples,), generator=generator)
-            pick = pick.to(patch.indices.device)
+            pick = picks[id(patch)]
             idx, values = patch.indices.index_select(0, pick), patch.values.index_select(0, pick)  # 2x `[pick]`
         for target in index.targets[patch.name]:
             region = plain_region(target, values) if patch.indices is None else None
@@ -251,12 +253,19 @@ def check_written(
             if idx is None:
                 idx = torch.arange(patch.spec.numel, dtype=torch.int64, device=patch.values.device)
             owned, got = read_masked(target, idx, patch.spec.torch_dtype)
-            differs = got != values.to(got.device)
-            if owned is None:
-                rows.append((patch.name, target.param_name, differs.sum(), differs.numel()))
+            values = values.to(got.device)
+            if owned is None:  # compared below with every other such read of its device and width, at once
+                compared.setdefault((got.device, got.dtype), []).append((len(rows), got, values))
+                rows.append((patch.name, target.param_name, 0, got.numel()))
             else:
                 owned = owned.to(got.device)
-                rows.append((patch.name, target.param_name, (differs & owned).sum(), owned.sum()))
+                rows.append((patch.name, target.param_name, ((got != values) & owned).sum(), owned.sum()))
+    for (device, _), reads in compared.items():  # one compare and one sum per device and width
+        lengths = to_device([[got.numel() for _, got, _ in reads]], device)[0]
+        differs = torch.cat([got for _, got, _ in reads]) != torch.cat([values for _, _, values in reads])
+        for (row, _, _), bad in zip(reads, segment_sums(differs, lengths)):
+            name, param, _, read = rows[row]
+            rows[row] = (name, param, bad, read)
     counts = host_ints([count for _, _, bad, read in rows for count in (bad, read)])
     wrong: list[dict[str, object]] = []
     checked = 0
@@ -265,6 +274,26 @@ def check_written(
         if bad:
             wrong.append({"tensor": name, "param": param, "wrong": bad, "read": read})
     return checked, wrong
+
+
+def _picks(patches: Sequence[Patch], samples: int, generator: torch.Generator) -> dict[int, torch.Tensor]:
+    """``samples`` random positions among each patch's changes (``id(patch)`` -> int64 on its device), drawn
+    together on the host and copied once per device: a small copy from pageable memory per tensor would
+    make a GPU's host wait for everything queued before it, once per tensor."""
+    if not patches:
+        return {}
+    draw = torch.rand((len(patches), samples), generator=generator, dtype=torch.float64)  # in [0, 1)
+    sizes = torch.tensor([p.indices.numel() for p in patches if p.indices is not None], dtype=torch.float64)
+    rows = draw.mul_(sizes[:, None]).long()  # in [0, changes)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, patch in enumerate(patches):
+        assert patch.indices is not None
+        by_device.setdefault(patch.indices.device, []).append(k)
+    out = {}
+    for device, members in by_device.items():
+        there = to_device(rows[members] if len(members) < len(patches) else rows, device)
+        out.update({id(patches[k]): row for k, row in zip(members, there)})
+    return out
 
 
 def check_proofs(answers: list[dict[str, Any]]) -> None:
