@@ -33,7 +33,7 @@ import torch
 from .device_diff import changes_on_device
 from .diff_chunks import blocks
 from .errors import TensorMismatch
-from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, settle, write_at
+from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, settle, stage, write_at
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
 
@@ -185,15 +185,31 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def advance(self, changes: ChangeSet) -> None:
-        """Write a committed change set into the snapshot (after its manifest is written)."""
+        """Write a committed change set into the snapshot (after its manifest is written).
+
+        The changes of a snapshot off the CPU reach it through one host buffer per dtype and one copy each
+        (:func:`~deltasync.tensors.stage`), not a copy (and a wait) per tensor."""
+        away: dict[torch.device, list[TensorChange]] = {}
         for change in changes.changes:
-            bits = bits_view(self._tensors[change.spec.name]).view(-1)
-            values = change.values.to(bits.device)
-            if change.indices is None:
-                bits.copy_(values.view(-1))
+            device = self._tensors[change.spec.name].device
+            if device.type == "cpu":
+                self._write(change.spec.name, change.indices, change.values)
             else:
-                write_at(bits, change.indices.to(bits.device), values)
+                away.setdefault(device, []).append(change)
+        for device, group in away.items():
+            moved = iter(stage([t for c in group for t in (c.indices, c.values) if t is not None], device))
+            for change in group:
+                self._write(change.spec.name, None if change.indices is None else next(moved), next(moved))
         settle(self._tensors[c.spec.name].device for c in changes.changes)  # read next by the training thread's diff
+
+    def _write(self, name: str, indices: torch.Tensor | None, values: torch.Tensor) -> None:
+        """Bit patterns ``values`` into tensor ``name`` at flat ``indices`` (all of it where ``None``), on its
+        device."""
+        bits = bits_view(self._tensors[name]).view(-1)
+        if indices is None:
+            bits.copy_(values.view(-1))
+        else:
+            write_at(bits, indices, values)
 
 
 def diff(

@@ -27,6 +27,7 @@ __all__ = [
     "bits_dtype",
     "bits_view",
     "write_at",
+    "stage",
     "positions",
     "segment_owners",
     "segment_sums",
@@ -149,6 +150,27 @@ def write_at(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> N
         flat.index_put_((index,), values)
     else:
         flat.index_copy_(0, index, values)
+
+
+def stage(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host ``tensors`` on ``device``, through one host buffer per dtype (pinned on CUDA) and one
+    asynchronous copy each; returned in order, each a view of its buffer there, shaped as given.
+
+    A copy per tensor would make a GPU's host wait each time (for everything queued before it, from
+    pageable memory; for the copy itself, from pinned memory without ``non_blocking``): thousands of waits
+    for a version of thousands of tensors. Read the results on the device, in stream order.
+    """
+    pinned = device.type == "cuda"
+    totals: dict[torch.dtype, int] = {}
+    places = []
+    for tensor in tensors:
+        places.append(totals.get(tensor.dtype, 0))
+        totals[tensor.dtype] = places[-1] + tensor.numel()
+    host = {dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in totals.items()}
+    for tensor, at in zip(tensors, places):
+        host[tensor.dtype][at : at + tensor.numel()] = tensor.reshape(-1)
+    moved = {dtype: buffer.to(device, non_blocking=pinned) for dtype, buffer in host.items()}
+    return [moved[t.dtype][at : at + t.numel()].view(t.shape) for t, at in zip(tensors, places)]
 
 
 _NO_STATIC_KERNEL: set[str] = set()

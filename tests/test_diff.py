@@ -620,3 +620,37 @@ def test_device_path_finds_what_the_cpu_path_finds_in_runs_of_any_layout(
         TestDevicePath.assert_same(cpu, found)
         snap.advance(cpu)
         there.advance(found)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_stage_moves_tensors_in_one_copy_per_dtype(device: str) -> None:
+    """Many host tensors reach a device through one buffer per dtype and one copy each (a copy per tensor
+    makes a GPU's host wait each time); the results come back in order, shaped and valued as given."""
+    from deltasync.tensors import stage
+
+    gen = torch.Generator().manual_seed(2)
+    tensors = []
+    for k in range(30):
+        tensors += [torch.randint(0, 1 << 40, (k,), generator=gen), torch.randint(-9, 9, (k % 4, 3), dtype=torch.int16)]
+    with recorded_ops() as ops:
+        moved = stage(tensors, torch.device(device))
+    # Per tensor one copy into its buffer on the host; then each of the two buffers moves in one copy.
+    assert ops.count("aten._to_copy") + ops.count("aten.copy_") - len(tensors) <= 2 * 2
+    assert [t.shape for t in moved] == [t.shape for t in tensors]
+    assert all(t.device.type == device and torch.equal(t.cpu(), want) for t, want in zip(moved, tensors))
+    assert len({t.untyped_storage().data_ptr() for t in moved if t.numel()}) == 2  # one buffer per dtype
+
+
+def test_a_snapshot_advances_from_a_change_set_found_on_the_device_path() -> None:
+    live = {f"w{i}": torch.randn(300 + i) for i in range(20)}
+    live["dense"] = torch.randn(10)
+    snap, there = Snapshot.capture(live), Snapshot.capture(live)
+    for tensor in live.values():
+        tensor[::7] += 0.5
+    live["dense"] += 1.0
+    found = diff(there, live, on_device=True)
+    assert any(c.dense for c in found.changes)
+    there.advance(found)
+    snap.advance(diff(snap, live))
+    assert all(torch.equal(there[name], snap[name]) for name in live) and diff(there, live).changes == ()

@@ -246,14 +246,17 @@ def _on(device: str, weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[s
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_often_for_40_tensors_as_for_8() -> None:
+@pytest.mark.parametrize("codec", ["compact", "compact-exp"])  # rebuilt on the device; decoded on the host
+def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_often_for_40_tensors_as_for_8(
+    codec: str,
+) -> None:
     import warnings
 
     syncs = []
     for count in (8, 40):
         old = _many(count)
         new = _step(old)
-        data = _delta(old, new)
+        data = encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0, codec=codec)
         index, params = _on("cuda", old)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

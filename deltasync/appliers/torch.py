@@ -26,7 +26,7 @@ from ..codec.kernels import put, take
 from ..errors import ConfigError, TensorMismatch
 from ..format import Header
 from ..parallel import map_shared
-from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, write_at
+from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, stage, write_at
 from .apply import check_header
 
 __all__ = ["TorchModuleApplier"]
@@ -167,27 +167,15 @@ class TorchModuleApplier:
         settle(self._tensors[name].device for name in decoded)
 
     def _apply_staged(self, device: torch.device, items: list[tuple[str, Decoded]]) -> None:
-        """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``.
-
-        Every patch here has indices, one value per index."""
-        pinned = device.type == "cuda"
-        sizes = {"idx": 0, 2: 0, 4: 0}
-        spans = []  # per patch: its width, and where its indices and its values start
-        for name, patch in items:
-            width = self.specs[name].torch_dtype.itemsize
-            spans.append((width, sizes["idx"], sizes[width]))
-            sizes["idx"] += len(patch.indices)
-            sizes[width] += len(patch.indices)
-        dtypes = {"idx": torch.int64, 2: torch.int16, 4: torch.int32}
-        host = {key: torch.empty(n, dtype=dtypes[key], pin_memory=pinned) for key, n in sizes.items() if n}
-        for (_, patch), (width, at, v_at) in zip(items, spans):
-            n = len(patch.indices)
-            host["idx"][at : at + n] = _tensor(patch.indices)
-            host[width][v_at : v_at + n] = _tensor(patch.values).view(dtypes[width])
-        moved = {key: buffer.to(device, non_blocking=pinned) for key, buffer in host.items()}
-        for (name, patch), (width, at, v_at) in zip(items, spans):
-            n = len(patch.indices)
-            self._write(name, moved["idx"][at : at + n], moved[width][v_at : v_at + n])
+        """One host buffer per kind (indices, 2- and 4-byte bit patterns), one copy each to ``device``
+        (:func:`~deltasync.tensors.stage`). Every patch here has indices, one value per index."""
+        bits = {2: torch.int16, 4: torch.int32}
+        moved = iter(stage([t for name, patch in items for t in (
+            _tensor(patch.indices).to(torch.int64),
+            _tensor(patch.values).view(bits[self.specs[name].torch_dtype.itemsize]),
+        )], device))
+        for name, _ in items:
+            self._write(name, next(moved), next(moved))
 
     def _scatter_args(self, name: str, patch: Decoded) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The arguments of the compiled scatter (:func:`~deltasync.codec.kernels.put`) that writes this host

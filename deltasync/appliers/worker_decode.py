@@ -26,6 +26,7 @@ the others through the map.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from ..codec.base import FlatLookup
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
-from ..tensors import bits_dtype, host_ints
+from ..tensors import bits_dtype, host_ints, stage
 from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
 from .mapping import IndexMap
 from .wire import patch_parts
@@ -75,8 +76,9 @@ def decode_here(
         held = read_bits(index, {name: {"idx": request}})[name]  # checked: a known name, indices in bounds
         return merge_bits(index.specs[name], request.size, [held], missing=_MISSING)
 
+    device = accelerator_of(index)
     if on_device is None:
-        on_device = accelerator_of(index) is not None
+        on_device = device is not None
     reader = MapReader(index) if on_device else None
     # On the host, a tensor held whole in one plain parameter is read in place by the compiled rebuild.
     base = lookup if on_device else FlatLookup(lookup, index.flat_bits)
@@ -90,7 +92,23 @@ def decode_here(
     if reader is not None:
         reader.check_held()
     decoded = combine(parts, whole=whole)
-    return [_patch(index, name, patch) for name, patch in decoded.items()]
+    patches = [_patch(index, name, patch) for name, patch in decoded.items()]
+    return patches if device is None else _moved(patches, device)
+
+
+def _moved(patches: list[Patch], device: torch.device) -> list[Patch]:
+    """``patches`` with those decoded on the host (other codecs) and sparse moved to ``device`` together
+    (:func:`~deltasync.tensors.stage`): their write and read-back then copy nothing per tensor, where a copy
+    from the host per tensor would make the host wait for the device each time. Whole tensors (an anchor's)
+    go as they are, each in a copy of its own."""
+    host = [k for k, patch in enumerate(patches) if patch.indices is not None and patch.indices.device.type == "cpu"]
+    if not host:
+        return patches
+    moved = iter(stage([t for k in host for t in (patches[k].indices, patches[k].values) if t is not None], device))
+    out = list(patches)
+    for k in host:
+        out[k] = dataclasses.replace(patches[k], indices=next(moved), values=next(moved))
+    return out
 
 
 def _patch(index: IndexMap, name: str, patch: Decoded) -> Patch:
