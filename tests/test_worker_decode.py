@@ -215,6 +215,42 @@ def test_read_backs_of_many_sampled_patches_are_compared_together() -> None:
     assert wrong == [{"tensor": "w7", "param": "w7", "wrong": 256, "read": 256}]
 
 
+def _halves(weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
+    """Each tensor's rows in two runtime parameters (a tensor-parallel rank's shards, both held here)."""
+    index = IndexMap([TensorSpec.of(name, tensor) for name, tensor in weights.items()])
+    params = {}
+    for name, tensor in weights.items():
+        rows, cols = tensor.shape
+        half = rows // 2
+        for part, lo, hi in (("top", 0, half), ("bottom", half, rows)):
+            param = params[f"{name}.{part}"] = torch.nn.Parameter(tensor[lo:hi].clone(), requires_grad=False)
+            index.targets[name].append(Target(param, f"{name}.{part}", tensor.shape, lo=(lo, 0), hi=(hi, cols),
+                                              offset=(-lo, 0), flat=(lo * cols, hi * cols, -lo * cols)))
+    return index, params
+
+
+def test_shards_are_written_with_their_shares_counted_together() -> None:
+    """A sparse patch's share of each shard is counted on the device for every shard first and read back
+    once (a GPU's host waited once per shard: ``nonzero``), then written exactly, for 8 tensors as for 40."""
+    from tests.dispatch_helpers import host_wait_ops, recorded_ops
+
+    waits = []
+    for count in (8, 40):
+        old = _many(count)
+        new = _step(old)
+        index, params = _halves(old)
+        patches = decode_here(index, [_delta(old, new)], whole=False, on_device=True)
+        with recorded_ops() as ops:
+            written, touched = write_patches(index, patches)
+        waits.append(sorted(op for op in ops if op in host_wait_ops(ops)))
+        assert written == sum(p.indices.numel() for p in patches) and len(touched) == 2 * count
+        for name, tensor in new.items():
+            both = torch.cat([params[f"{name}.top"].data, params[f"{name}.bottom"].data])
+            assert torch.equal(both.view(torch.int16), tensor.view(torch.int16)), name
+        assert check_written(index, patches, samples=10_000) == (written, [])
+    assert "aten.nonzero" not in waits[1] and len(waits[0]) == len(waits[1])
+
+
 def test_a_refusal_crosses_as_data_and_comes_back_as_its_own_class() -> None:
     exc = IntegrityError("k.weight: decoded values do not match", name="k.weight", where=object())
     back = refusal_from_json(refusal_to_json(exc))

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, host_ints, positions
 from .mapping import PLAIN, IndexMap, Target
 
 __all__ = [
@@ -145,31 +145,50 @@ def _checked_patch(index: IndexMap, name: str, parts: Mapping[str, np.ndarray]) 
 def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[torch.nn.Parameter]]:
     """Phase 2: write checked ``patches`` wherever this rank holds them.
 
+    A sparse patch's share of a target that holds part of its tensor (a tensor-parallel shard) is counted
+    on the device for every such target first, and the counts read back together (one host wait per
+    device, not one per tensor); whole tensors (an anchor's) are written one by one.
+
     Returns:
         `tuple[int, list[torch.nn.Parameter]]`: elements written, and every parameter reached.
     """
     written = 0
     touched: dict[int, torch.nn.Parameter] = {}
+    located: list[tuple[Target, TensorSpec, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
     for patch in patches:
         for target in index.targets[patch.name]:
-            written += _write(target, patch.spec, patch.indices, patch.values)
             touched[id(target.param)] = target.param
+            if patch.indices is None:
+                written += _write_whole(target, patch.spec, patch.values)
+                continue
+            owned, runtime = target.locate(patch.indices.to(target.param.data.device))
+            located.append((target, patch.spec, owned, runtime, patch.values))
+    counts = host_ints([0 if owned is None else owned.sum() for _, _, owned, _, _ in located])
+    for (target, spec, owned, runtime, values), count in zip(located, counts):
+        data = target.param.data
+        values = values.to(data.device)
+        if owned is not None:  # this target's share: the positions it holds, their number known
+            if not count:
+                continue
+            at = positions(owned, count)
+            runtime, values = runtime[at], values[at]
+        target.layout.write(data, runtime, values, spec.torch_dtype)
+        written += int(runtime.numel())
     return written, list(touched.values())
 
 
-def _write(target: Target, spec: TensorSpec, idx: torch.Tensor | None, values: torch.Tensor) -> int:
+def _write_whole(target: Target, spec: TensorSpec, values: torch.Tensor) -> int:
+    """Every element of a tensor (``values``, in checkpoint order) that ``target`` holds."""
     data = target.param.data
-    if idx is None:
-        region = plain_region(target, values)
-        if region is not None:  # a whole tensor into a plain parameter: one strided copy
-            held, new = region
-            if data.dtype == spec.torch_dtype:
-                held.view(new.dtype).copy_(new)
-            else:
-                held.copy_(new.view(spec.torch_dtype))  # an exact up-cast, as the layout writes
-            return held.numel()
-        idx = torch.arange(spec.numel, dtype=torch.int64)
-    pos, runtime = target.translate(idx.to(data.device))
+    region = plain_region(target, values)
+    if region is not None:  # a whole tensor into a plain parameter: one strided copy
+        held, new = region
+        if data.dtype == spec.torch_dtype:
+            held.view(new.dtype).copy_(new)
+        else:
+            held.copy_(new.view(spec.torch_dtype))  # an exact up-cast, as the layout writes
+        return held.numel()
+    pos, runtime = target.translate(torch.arange(spec.numel, dtype=torch.int64, device=data.device))
     if pos is not None and not pos.numel():
         return 0
     vals = values.to(data.device)
