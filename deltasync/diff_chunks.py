@@ -17,7 +17,7 @@ import torch
 
 from .tensors import BITS_BY_SIZE
 
-__all__ = ["CPU_RUN", "WORD", "Chunk", "blocks", "chunks", "run_limit", "runs"]
+__all__ = ["CPU_RUN", "RUN_TENSOR", "WORD", "Chunk", "blocks", "chunks", "run_limit", "runs"]
 
 WORD = 8
 """Bytes compared at once by a search (four bf16 elements)."""
@@ -28,6 +28,14 @@ elements 1.3x slower there). A GPU reads and writes its memory at the same cost 
 runs up to the chunk size."""
 
 
+RUN_TENSOR = 1 << 22
+"""The largest tensor a run takes (4Mi elements). A GPU compares a tensor of that size in a few
+microseconds, less than the host spends queueing its half-dozen kernels, so smaller tensors gain from
+sharing a chunk; a larger tensor keeps the GPU busy for as long as its launches take, and alone it is
+compared in place (a run's tensors are first copied side by side: for live weights already in the
+published dtype, a pass that a tensor alone does not need)."""
+
+
 def run_limit(device: torch.device, chunk: int) -> int:
     """Elements a run of small tensors (and a snapshot's block of them) may hold on ``device``."""
     return min(chunk, CPU_RUN) if device.type == "cpu" else chunk
@@ -35,8 +43,9 @@ def run_limit(device: torch.device, chunk: int) -> int:
 
 def blocks(places: Sequence[tuple[int, torch.dtype, torch.device]], size: int) -> list[list[tuple[int, int]]]:
     """Which memory each tensor of ``places`` (``(numel, dtype, device)`` each, in order) goes to: consecutive
-    tensors of one dtype and device share a block of up to ``size`` elements (:func:`run_limit`), each at an
-    8-byte boundary; a larger tensor is a block of its own. Per block, its tensors' ``(position, offset)``.
+    tensors of one dtype and device of up to :data:`RUN_TENSOR` elements share a block of up to ``size``
+    elements (:func:`run_limit`), each at an 8-byte boundary; any other tensor is a block of its own. Per
+    block, its tensors' ``(position, offset)``.
 
     The device path compares a run of small tensors that lie one after another as one chunk
     (:func:`runs`, :func:`~deltasync.device_diff.changes_on_device`): a few ops a block instead of a few a
@@ -47,7 +56,11 @@ def blocks(places: Sequence[tuple[int, torch.dtype, torch.device]], size: int) -
     for k, (numel, kind, where) in enumerate(places):
         align = WORD // kind.itemsize
         at = -(-end // align) * align
-        if out and places[out[-1][0][0]][1:] == (kind, where) and at + numel <= run_limit(where, size):
+        first = places[out[-1][0][0]] if out else None
+        if (
+            first is not None and first[1:] == (kind, where) and first[0] <= RUN_TENSOR and numel <= RUN_TENSOR
+            and at + numel <= run_limit(where, size)
+        ):
             out[-1].append((k, at))
         else:
             out.append([(k, 0)])
@@ -143,10 +156,10 @@ def chunks(published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chun
 
 
 def runs(published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chunk: int) -> Iterator[list[int]]:
-    """Positions of the tensors to compare, in order, grouped: a run of whole tensors of up to ``chunk``
-    elements in all (:func:`run_limit`), each 8-byte aligned, each starting where the one before
-    ends (rounded up to 8 bytes) in one storage, of one dtype and device, live weights on that device too;
-    any other tensor alone. Empty tensors have nothing to compare."""
+    """Positions of the tensors to compare, in order, grouped: a run of whole tensors of up to
+    :data:`RUN_TENSOR` elements each and ``chunk`` in all (:func:`run_limit`), each 8-byte aligned, each
+    starting where the one before ends (rounded up to 8 bytes) in one storage, of one dtype and device, live
+    weights on that device too; any other tensor alone. Empty tensors have nothing to compare."""
     run: list[int] = []
     end = size = 0
     for i, (old, new) in enumerate(zip(published, live)):
@@ -159,7 +172,7 @@ def runs(published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chunk:
         if run:
             last, last_new = published[run[-1]], live[run[-1]]
             if (
-                offset == -(-end // align) * align and size + (offset - end) + n <= limit
+                offset == -(-end // align) * align and size + (offset - end) + n <= limit and n <= RUN_TENSOR
                 and old.dtype == last.dtype and old.device == last.device
                 and new.device == last_new.device == old.device and old.is_contiguous()
                 and old.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
@@ -171,7 +184,7 @@ def runs(published: Sequence[torch.Tensor], live: Sequence[torch.Tensor], chunk:
             yield run
             run = []
         run, end, size = [i], offset + n, n
-        if n >= limit or offset % align or old.data_ptr() % WORD or not old.is_contiguous():
+        if n >= limit or n > RUN_TENSOR or offset % align or old.data_ptr() % WORD or not old.is_contiguous():
             yield run  # alone: too large to share a chunk, or not aligned
             run = []
     if run:

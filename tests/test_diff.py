@@ -475,6 +475,19 @@ class TestDevicePath:
         for name, tensor in live.items():
             assert snap[name].is_contiguous() and torch.equal(snap[name], tensor)
 
+    def test_blocks_on_an_accelerator_take_tensors_up_to_the_run_size(self) -> None:
+        """On a GPU, small tensors share blocks up to a chunk; one above RUN_TENSOR (compared alone, in place)
+        has a block of its own and closes the one before; an 8-byte boundary for each tensor."""
+        from deltasync.diff import DEVICE_CHUNK
+        from deltasync.diff_chunks import RUN_TENSOR, blocks
+
+        gpu = torch.device("cuda")
+        sizes = [3, 5, RUN_TENSOR + 1, 7, 9, RUN_TENSOR, DEVICE_CHUNK - RUN_TENSOR]
+        placed = blocks([(n, BF16, gpu) for n in sizes], DEVICE_CHUNK)
+        assert placed == [[(0, 0), (1, 4)], [(2, 0)], [(3, 0), (4, 8), (5, 20)], [(6, 0)]]
+        assert blocks([(3, BF16, gpu), (3, torch.float32, gpu), (3, torch.float32, torch.device("cpu"))],
+                      DEVICE_CHUNK) == [[(0, 0)], [(1, 0)], [(2, 0)]]
+
     def test_weights_that_cannot_be_viewed_as_words(self) -> None:
         """bf16 live weights at an odd offset (a view into a flat buffer): compared element by element."""
         flat = torch.randn(4001).to(BF16)
