@@ -215,6 +215,23 @@ def test_read_backs_of_many_sampled_patches_are_compared_together() -> None:
     assert wrong == [{"tensor": "w7", "param": "w7", "wrong": 256, "read": 256}]
 
 
+def test_a_rank_reads_each_base_straight_into_the_batch() -> None:
+    """On the device path, a tensor held whole in a plain parameter is read with one gather straight into
+    the batch's buffer (one kernel a tensor on a GPU, not a gather and a copy)."""
+    from tests.dispatch_helpers import recorded_ops
+
+    old = _many(40)
+    new = _step(old)
+    index, params = _on("cpu", old)
+    data = _delta(old, new)
+    with recorded_ops() as ops:
+        patches = decode_here(index, [data], whole=False, on_device=True)
+    assert ops.count("aten.index_select") == 40 and ops.count("aten.copy_") <= 2
+    write_patches(index, patches)
+    for name, param in params.items():
+        assert torch.equal(param.data.view(torch.int16), new[name].view(torch.int16)), name
+
+
 def _halves(weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
     """Each tensor's rows in two runtime parameters (a tensor-parallel rank's shards, both held here)."""
     index = IndexMap([TensorSpec.of(name, tensor) for name, tensor in weights.items()])

@@ -39,9 +39,9 @@ from ..codec.base import FlatLookup
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
-from ..tensors import bits_dtype, host_ints, stage
+from ..tensors import bits_dtype, bits_view, host_ints, stage
 from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
-from .mapping import IndexMap
+from .mapping import PLAIN, IndexMap
 from .wire import patch_parts
 
 __all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
@@ -146,6 +146,12 @@ class MapReader:
         ``out`` where given)."""
         published = self._index.specs[name].torch_dtype
         device = self.device_of(name)
+        targets = self._index.targets[name]
+        if out is not None and len(targets) == 1 and targets[0].layout is PLAIN:  # the rule: one read, into ``out``
+            data = targets[0].param.data
+            owned, runtime = targets[0].locate(index)
+            if owned is None and data.dtype == published and data.is_contiguous() and runtime.device == out.device:
+                return torch.index_select(bits_view(data).view(-1), 0, runtime, out=out)
         bits: torch.Tensor | None = None
         held: torch.Tensor | None = None  # None: every element (some target holds all of them)
         for target in self._index.targets[name]:
