@@ -232,6 +232,46 @@ def test_a_rank_reads_each_base_straight_into_the_batch() -> None:
         assert torch.equal(param.data.view(torch.int16), new[name].view(torch.int16)), name
 
 
+def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 checkpoint tensors stacked in one runtime parameter (a layer's experts): their changes go in one
+    scatter (one kernel on a GPU instead of 40), each exactly where the map puts it."""
+    from deltasync.appliers import mapping
+
+    old = _many(40)
+    new = _step(old)
+    specs = [TensorSpec.of(name, tensor) for name, tensor in old.items()]
+    fused = torch.nn.Parameter(torch.cat(list(old.values())), requires_grad=False)  # (40 * 64, 32)
+    index = IndexMap(specs)
+    for i, spec in enumerate(specs):
+        index.targets[spec.name].append(Target(fused, "experts.weight", spec.shape, lo=(0, 0), hi=spec.shape,
+                                               offset=(64 * i, 0), flat=(0, spec.numel, spec.numel * i)))
+    scatters = []
+    real = mapping._write_bits
+    monkeypatch.setattr(mapping, "_write_bits", lambda *args: (scatters.append(args[1].numel()), real(*args)))
+    patches = decode_here(index, [_delta(old, new)], whole=False, on_device=True)
+    written, touched = write_patches(index, patches)
+    assert scatters == [written] and touched == [fused]
+    assert torch.equal(fused.data.view(torch.int16), torch.cat(list(new.values())).view(torch.int16))
+    assert check_written(index, patches, samples=10_000) == (written, [])
+
+
+def test_tensors_tied_to_one_place_are_written_one_after_another() -> None:
+    """Two checkpoint tensors a map sends to the same elements are not joined into one scatter (which would
+    leave either value, by the kernel's whim): each is written in turn, the last one's values stay."""
+    from deltasync.appliers.apply import Patch
+
+    param = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    specs = [TensorSpec("a", (8, 4), "BF16"), TensorSpec("b", (8, 4), "BF16")]
+    index = IndexMap(specs)
+    for spec in specs:
+        index.targets[spec.name].append(Target(param, "tied.weight", spec.shape, lo=(0, 0), hi=spec.shape,
+                                               offset=(0, 0), flat=(0, 32, 0)))
+    at = torch.tensor([3, 17, 30])
+    patches = [Patch(spec.name, spec, at, torch.full((3,), k + 1, dtype=torch.int16)) for k, spec in enumerate(specs)]
+    assert write_patches(index, patches) == (6, [param])
+    assert param.data.view(torch.int16).view(-1)[at].tolist() == [2, 2, 2]
+
+
 def _halves(weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[str, torch.nn.Parameter]]:
     """Each tensor's rows in two runtime parameters (a tensor-parallel rank's shards, both held here)."""
     index = IndexMap([TensorSpec.of(name, tensor) for name, tensor in weights.items()])

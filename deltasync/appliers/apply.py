@@ -147,7 +147,8 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
 
     A sparse patch's share of a target that holds part of its tensor (a tensor-parallel shard) is counted
     on the device for every such target first, and the counts read back together (one host wait per
-    device, not one per tensor); whole tensors (an anchor's) are written one by one.
+    device, not one per tensor); the sparse writes into one plain parameter (a fused parameter's tensors:
+    a layer's experts) go in one scatter; whole tensors (an anchor's) are written one by one.
 
     Returns:
         `tuple[int, list[torch.nn.Parameter]]`: elements written, and every parameter reached.
@@ -164,6 +165,8 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
             owned, runtime = target.locate(patch.indices.to(target.param.data.device))
             located.append((target, patch.spec, owned, runtime, patch.values))
     counts = host_ints([0 if owned is None else owned.sum() for _, _, owned, _, _ in located])
+    # Writes into one plain parameter (a fused parameter's tensors: a layer's experts, q/k/v) go together.
+    writes: dict[tuple[int, torch.dtype], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
     for (target, spec, owned, runtime, values), count in zip(located, counts):
         data = target.param.data
         values = values.to(data.device)
@@ -172,9 +175,29 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
                 continue
             at = positions(owned, count)
             runtime, values = runtime[at], values[at]
-        target.layout.write(data, runtime, values, spec.torch_dtype)
         written += int(runtime.numel())
+        if target.layout is not PLAIN or target.flat is None:
+            target.layout.write(data, runtime, values, spec.torch_dtype)
+            continue
+        key = (id(target.param), spec.torch_dtype)
+        if key in writes:
+            writes[key].append((target, runtime, values))
+        else:
+            writes[key] = [(target, runtime, values)]
+    for (_, published), group in writes.items():
+        if len(group) > 1 and _disjoint([item[0] for item in group]):
+            runtime, values = torch.cat([item[1] for item in group]), torch.cat([item[2] for item in group])
+            group = [(group[0][0], runtime, values)]
+        for target, runtime, values in group:  # else one by one, in order, as the map lists them
+            target.layout.write(target.param.data, runtime, values, published)
     return written, list(touched.values())
+
+
+def _disjoint(targets: Sequence[Target]) -> bool:
+    """Whether flat targets reach disjoint runtime ranges of their parameter (one scatter may then write them
+    all; tensors tied to one place, were a map to hold any, are written one after another instead)."""
+    spans = sorted((a + shift, b + shift) for a, b, shift in (t.flat for t in targets if t.flat is not None))
+    return all(start >= end for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def _write_whole(target: Target, spec: TensorSpec, values: torch.Tensor) -> int:
