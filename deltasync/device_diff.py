@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch.profiler import record_function
@@ -175,34 +176,26 @@ def changes_on_device(
     with record_function("deltasync.diff.wait_found"):
         flat = torch.cat(found_on_device).tolist()  # per search, its (words, elements) pairs and member counts
     exact: dict[int, list[int]] = {}  # chunk -> changed elements of each of its members
-    at_flat = 0
-    for group in searched:
-        at_flat += 2 * len(group.jobs)
-        for k in group.jobs:
-            exact[k] = flat[at_flat : at_flat + len(jobs[k].members)]
-            at_flat += len(jobs[k].members)
-    for k in counted:
-        exact[k] = flat[at_flat : at_flat + len(jobs[k].members)]
-        at_flat += len(jobs[k].members)
     found: dict[int, tuple[_Group, int]] = {}  # job -> (its search, where its changes start in it)
     unknown = []
-    at_flat = 0
-    for group in searched:
+    read = iter(flat)
+    for group in searched:  # its (words, elements) pair per chunk, then its chunks' member counts
+        pairs = list(islice(read, 2 * len(group.jobs)))
         at = 0
-        for k in group.jobs:
-            words, elements = flat[at_flat], flat[at_flat + 1]
-            at_flat += 2
+        for k, words, elements in zip(group.jobs, pairs[::2], pairs[1::2]):
+            exact[k] = list(islice(read, len(jobs[k].members)))
             if words >= bounds[k]:  # the bound was reached: there may be more
                 unknown.append(k)
             elif at + elements <= group.size:  # else cut by the group's element bound: searched again
                 found[k] = (group, at)
             at += elements  # the elements of every word found take their place, a chunk's after the last's
-        at_flat += sum(len(jobs[k].members) for k in group.jobs)
+    for k in counted:
+        exact[k] = list(islice(read, len(jobs[k].members)))
     if unknown:  # one more wait, for the exact counts of the searches that overflowed
         host_waits.count += 1
-        recount = torch.cat([_count(jobs[k], scratch) for k in unknown]).tolist()
+        recount = iter(torch.cat([_count(jobs[k], scratch) for k in unknown]).tolist())
         for k in unknown:
-            exact[k], recount = recount[: len(jobs[k].members)], recount[len(jobs[k].members) :]
+            exact[k] = list(islice(recount, len(jobs[k].members)))
     per_tensor = [0] * len(specs)
     total: dict[int, int] = {}
     for k, job in enumerate(jobs):
