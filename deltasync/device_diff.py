@@ -58,7 +58,7 @@ import torch
 from torch.profiler import record_function
 
 from .diff_chunks import Chunk, chunks
-from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums, settle
+from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums, settle, stage
 
 __all__ = [
     "DeviceChange", "GROUP", "SLACK", "Tally", "WaitCounter", "changes_on_device", "host_waits", "searched_chunks",
@@ -107,13 +107,10 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
 
 
-def to_device(values: Sequence[Sequence[int]] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small int64 table (or a tensor) from the host, copied to ``device`` without a wait (through pinned
-    memory on CUDA: a copy from pageable memory would wait for everything queued before it)."""
-    table = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
+def to_device(values: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """A small int64 table from the host, copied to ``device`` without a wait (:func:`~deltasync.tensors.stage`:
+    through pinned memory on CUDA, where a copy from pageable memory would wait for everything queued before it)."""
+    return stage([torch.tensor(values, dtype=torch.int64)], device)[0]
 
 
 host_waits = WaitCounter()

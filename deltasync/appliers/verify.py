@@ -38,9 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..device_diff import to_device
 from ..errors import LayoutMismatch, TensorMismatch
-from ..tensors import TensorSpec, bits_view, host_ints, segment_sums
+from ..tensors import TensorSpec, bits_view, host_ints, segment_sums, stage
 from .apply import Patch, plain_region, read_masked, read_through
 from .mapping import IndexMap, Target
 from .wire import pack, unpack
@@ -261,7 +260,7 @@ def check_written(
                 owned = owned.to(got.device)
                 rows.append((patch.name, target.param_name, ((got != values) & owned).sum(), owned.sum()))
     for (device, _), reads in compared.items():  # one compare and one sum per device and width
-        lengths = to_device([[got.numel() for _, got, _ in reads]], device)[0]
+        lengths = stage([torch.tensor([got.numel() for _, got, _ in reads])], device)[0]
         differs = torch.cat([got for _, got, _ in reads]) != torch.cat([values for _, _, values in reads])
         for (row, _, _), bad in zip(reads, segment_sums(differs, lengths)):
             name, param, _, read = rows[row]
@@ -291,7 +290,7 @@ def _picks(patches: Sequence[Patch], samples: int, generator: torch.Generator) -
         by_device.setdefault(patch.indices.device, []).append(k)
     out = {}
     for device, members in by_device.items():
-        there = to_device(rows[members] if len(members) < len(patches) else rows, device)
+        there = stage([rows[members] if len(members) < len(patches) else rows], device)[0]
         out.update({id(patches[k]): row for k, row in zip(members, there)})
     return out
 
