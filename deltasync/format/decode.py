@@ -295,6 +295,9 @@ def combine(parts: Sequence[tuple[Header, dict[str, Decoded]]], *, whole: bool) 
     Raises:
         `DeltaFormatError`: two files carry the same elements, or an anchor leaves a gap.
     """
+    if len(parts) == 1 and not whole:  # one delta file: no element twice, no gap to refuse; each patch alone
+        header, decoded = parts[0]
+        return {name: _join([patch], header.tensors[name].spec.numel) for name, patch in decoded.items()}
     pieces: dict[str, list[tuple[tuple[int, int], Decoded]]] = {}
     specs: dict[str, TensorSpec] = {}
     for header, decoded in parts:
