@@ -42,7 +42,9 @@ go to ``device_sync_<device>_checkpoints.json``.
 Device memory: the masters and at most four more copies of the bf16 weights at a time
 (each stage makes its own and drops them after it; ``device_peak_bytes`` in the JSON
 on a GPU): with fp32 masters, 6x the bf16 weights (12 GB at 1B parameters); for a
-checkpoint run in bf16, 5x (70 GB for a 7B model).
+checkpoint run in bf16, 5x (70 GB for a 7B model). The stores go in ``/dev/shm`` where it has room for
+3x the bf16 weights (else under ``TMPDIR``, said so: those rows then include that filesystem). A run that
+its GPU or its filesystems cannot hold is refused before anything is allocated, saying what to change.
 
 With ``--profile DIR`` one more diff, decode, apply and whole update are run under
 torch's profiler (the device's kernels included on a GPU) and cProfile after the
@@ -57,6 +59,7 @@ import cProfile
 import gc
 import gzip
 import io
+import math
 import os
 import pstats
 import shutil
@@ -430,8 +433,72 @@ def floor_diff(model: Model, snapshot: Snapshot) -> None:
         torch.ne(master.to(torch.bfloat16), snapshot[name]).nonzero()
 
 
+def checkpoint_bytes(path: str) -> tuple[int, int]:
+    """``(bytes, elements)`` of the floating-point tensors of a checkpoint (as :func:`load_checkpoint` keeps
+    them), read from its files' headers: what its masters will take, before any is loaded."""
+    from safetensors import safe_open
+
+    from deltasync.appliers.checkpoint_files import checkpoint_files
+
+    try:
+        files = checkpoint_files(Path(path)) if Path(path).is_dir() else [Path(path)]
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    nbytes = elements = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
+                                        "F64": "float64"}.get(piece.get_dtype(), "uint8"))
+                if dtype.is_floating_point:
+                    numel = math.prod(piece.get_shape())
+                    nbytes, elements = nbytes + numel * dtype.itemsize, elements + numel
+    return nbytes, elements
+
+
+def check_device_memory(device: torch.device, master_bytes: int, weight_bytes: int, what: str) -> None:
+    """Refuse up front, not minutes in with an out-of-memory error, a run its GPU cannot hold: the masters
+    and four more copies of the bf16 weights (see the module's docstring)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    need = master_bytes + 4 * weight_bytes
+    if need > free:
+        raise SystemExit(
+            f"{device}: {what} needs about {human_bytes(need)} of device memory (its masters, "
+            f"{human_bytes(master_bytes)}, and four copies of its {human_bytes(weight_bytes)} of bf16 weights); "
+            f"{human_bytes(free)} of {human_bytes(total)} are free: pass a smaller --params, or free the GPU")
+
+
+def scratch_place(weight_bytes: int) -> Path:
+    """Where the run's stores go: ``/dev/shm`` (memory: the stages then time deltasync,
+    not a disk) where it has room for the largest round (two anchors and the store floor's copy of the weights:
+    3x the bf16 weights), else under the temp directory (``TMPDIR``), said so; refused up front where neither
+    has room (a container's ``/dev/shm`` is often 64 MB), not minutes in with a full disk."""
+    need = 3 * weight_bytes + (256 << 20)
+    places = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    for place in places:
+        if place.is_dir() and shutil.disk_usage(place).free >= need:
+            if place != places[0]:
+                print(f"/dev/shm cannot hold {human_bytes(need)}: the stores go under {place}, so the anchor "
+                      "and whole-update rows include its filesystem", file=sys.stderr)
+            return place
+    free = {str(p): human_bytes(shutil.disk_usage(p).free) for p in places if p.is_dir()}
+    raise SystemExit(f"the run's stores need about {human_bytes(need)} of space, more than is free in {free}: "
+                     "point TMPDIR at a larger filesystem, or pass a smaller --params")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
+    if args.checkpoints:
+        master_bytes, elements = checkpoint_bytes(args.checkpoints[0])
+        what = f"a checkpoint of {elements / 1e6:,.0f}M parameters"
+    else:
+        elements = max(1, int(args.params) // args.tensors) * args.tensors
+        master_bytes, what = 4 * elements, f"{elements / 1e6:,.0f}M parameters with fp32 masters"
+    check_device_memory(device, master_bytes, 2 * elements, what)
+    place = scratch_place(2 * elements)
     model: Model | Checkpoints
     if args.checkpoints:
         model = Checkpoints(args.checkpoints, device)
@@ -446,8 +513,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profiles = Path(args.profile) if args.profile else None
     if profiles:
         profiles.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm")
-    root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=shm if shm.is_dir() else None))
+    root = Path(tempfile.mkdtemp(prefix="device-sync-", dir=place))
     rows: dict[str, dict[str, Any]] = {}
     try:
         # Every copy of the weights a stage needs is made for it and dropped after it (device memory:
@@ -629,6 +695,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "anchor_bytes": anchor_bytes,
         "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "stores": str(place),
         "exact": exact,
         "stages": rows,
     }

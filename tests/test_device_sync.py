@@ -84,3 +84,38 @@ def test_device_sync_on_checkpoints_of_a_run(tmp_path: Path) -> None:
     assert result["changes"] == changed[0] and result["density"] == changed[0] / result["params"]
     assert result["params"] == 6 * 300 * 40 + 40
     assert all(stage["deltasync"] > 0 for stage in result["stages"].values())
+
+
+def _script() -> object:
+    """benchmarks/device_sync.py as a module (its own directory on the path, as when it runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_sync_script", ROOT / "benchmarks" / "device_sync.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_sync_refuses_up_front_what_it_has_no_room_for(tmp_path: Path, monkeypatch) -> None:
+    """A run whose stores no filesystem can hold (a container's 64 MB /dev/shm, a small disk) or whose
+    masters and copies its GPU cannot hold is refused before anything is allocated, saying what to change;
+    a checkpoint's size is read from its files' headers, its non-float tensors left out as the run leaves them."""
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    script = _script()
+    with pytest.raises(SystemExit, match="TMPDIR"):
+        script.scratch_place(1 << 60)  # type: ignore[attr-defined]
+    assert script.scratch_place(1 << 10).is_dir()  # type: ignore[attr-defined]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    with pytest.raises(SystemExit, match="smaller --params"):
+        script.check_device_memory(torch.device("cuda"), 4 << 30, 2 << 30, "1,000M parameters")  # type: ignore[attr-defined]
+    script.check_device_memory(torch.device("cuda"), 1 << 20, 1 << 20, "tiny")  # type: ignore[attr-defined]
+    script.check_device_memory(torch.device("cpu"), 1 << 60, 1 << 60, "any")  # type: ignore[attr-defined]
+    (tmp_path / "ckpt").mkdir()
+    save_file({"a": torch.zeros(10, 3, dtype=torch.bfloat16), "steps": torch.zeros(7, dtype=torch.int64)},
+              str(tmp_path / "ckpt" / "one.safetensors"))
+    save_file({"b": torch.zeros(5, dtype=torch.float32)}, str(tmp_path / "ckpt" / "two.safetensors"))
+    assert script.checkpoint_bytes(str(tmp_path / "ckpt")) == (30 * 2 + 5 * 4, 35)  # type: ignore[attr-defined]
