@@ -86,7 +86,8 @@ from deltasync.appliers.verify import check_written  # noqa: E402
 from deltasync.appliers.worker_decode import decode_here  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
-from deltasync.device_diff import host_waits, searched_chunks  # noqa: E402
+from deltasync.device_diff import Phases, host_waits, searched_chunks  # noqa: E402
+from deltasync.device_diff import phases as diff_phases  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, file_entries, read_header  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
@@ -111,6 +112,21 @@ def spread(fn: Callable[[], Any], repeats: int, device: torch.device) -> dict[st
         sync(device)
         times.append(time.perf_counter() - start)
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def per_call(phases: Phases, calls: int) -> dict[str, float]:
+    """A device path's host seconds per phase (:class:`~deltasync.device_diff.Phases`) since the last
+    ``take()``, per call of ``calls``."""
+    return {phase: seconds / calls for phase, seconds in phases.take().items()}
+
+
+def spread_phases(
+    fn: Callable[[], Any], repeats: int, device: torch.device, phases: Phases
+) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`spread` of ``fn`` and where its device path's host time went, per run (:func:`per_call`)."""
+    phases.take()
+    timed = spread(fn, repeats, device)
+    return timed, per_call(phases, repeats)
 
 
 @contextmanager
@@ -365,7 +381,8 @@ def diff_stage(
     nnz = model.step(density)
     t_diff = spread(lambda: diff(snapshot, model.masters), repeats, device)
     t_floor = spread(lambda: floor_diff(model, snapshot), repeats, device)
-    t_device = spread(lambda: diff(snapshot, model.masters, on_device=True), repeats, device)
+    t_device, phases = spread_phases(lambda: diff(snapshot, model.masters, on_device=True), repeats, device,
+                                     diff_phases)
     waits, chunks = host_waits(), searched_chunks()
     changes = diff(snapshot, model.masters, on_device=True)
     waits, chunks = host_waits() - waits, searched_chunks() - chunks  # a run of small tensors is one chunk
@@ -378,7 +395,8 @@ def diff_stage(
     rows = {
         "diff": {"deltasync": t_diff["median"], "floor": t_floor["median"], "spread": [t_diff, t_floor]},
         "diff, device path": {"deltasync": t_device["median"], "floor": t_floor["median"], "host_waits": waits,
-                              "tensors": len(model.masters), "chunks": chunks, "spread": [t_device, t_floor]},
+                              "tensors": len(model.masters), "chunks": chunks, "phases": phases,
+                              "spread": [t_device, t_floor]},
     }
     return rows, nnz, data
 
@@ -386,20 +404,21 @@ def diff_stage(
 def rank_stage(
     weights: dict[str, torch.Tensor], data: bytes, masters: dict[str, torch.Tensor], repeats: int,
     device: torch.device,
-) -> tuple[dict[str, float], int, dict[str, float], bool]:
+) -> tuple[dict[str, float], dict[str, float], int, dict[str, float], bool]:
     """A vLLM engine of one rank holding a copy of ``weights``: its worker decodes the file against them, read
     through its map (the device path, as on a GPU), then writes the patches and reads a sample back. The
-    decode's and the write's times, the decode's host waits, and whether the rank ended equal to
+    decode's and the write's times, where the decode's host time went, its host waits, and whether the rank ended equal to
     ``masters``."""
     index = rank_map({n: t.clone() for n, t in weights.items()})
-    t_decode = spread(lambda: decode_here(index, [data], whole=False, on_device=True), repeats, device)
+    t_decode, phases = spread_phases(lambda: decode_here(index, [data], whole=False, on_device=True), repeats,
+                                     device, device_decode.phases)
     waits = device_decode.host_waits()
     patches = decode_here(index, [data], whole=False, on_device=True)
     waits = device_decode.host_waits() - waits
     t_apply = spread(lambda: (write_patches(index, patches), check_written(index, patches)), repeats, device)
     exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
                 for n, t in masters.items())
-    return t_decode, waits, t_apply, exact
+    return t_decode, phases, waits, t_apply, exact
 
 
 def apply_floors(
@@ -576,7 +595,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             profile_stage("decode", replica_decode, device, profiles)
         # The path of a replica on an accelerator: rebuilt where the weights live, one host wait per file.
         rebuilt = TorchModuleApplier(decoder.state(), stage=True)
-        t_decode_device = spread(lambda: replica_decode(rebuilt), args.repeats, device)
+        t_decode_device, device_phases = spread_phases(lambda: replica_decode(rebuilt), args.repeats, device,
+                                                       device_decode.phases)
         decode_waits = device_decode.host_waits()
         replica_decode(rebuilt)
         decode_waits = device_decode.host_waits() - decode_waits
@@ -606,7 +626,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_floor_decode = spread(floor_decode, args.repeats, device)
         with one_core():
             t_floor_decode_one = spread(floor_decode, args.repeats, device)
-        t_rank_decode, rank_waits, t_rank_apply, rank_exact = rank_stage(
+        t_rank_decode, rank_phases, rank_waits, t_rank_apply, rank_exact = rank_stage(
             decoder.state(), data, model.masters, args.repeats, device)
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
         if profiles:  # after its timed runs: the decode above left the replica as it was
@@ -618,6 +638,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_floor_apply = min(t_floor_copy, t_floor_put, key=lambda t: t["median"])
         # The whole replica update through the store, against copying every weight from host memory.
         updates, parts = [], []
+        device_decode.phases.take()
         for version in range(1, update_rounds + 1):
             model.step(args.density)
             publisher.publish(version, block=True)
@@ -629,6 +650,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             updates.append(time.perf_counter() - started)
             parts.append((info.t_fetch, info.t_decode, info.t_apply))
             assert subscriber.version == publisher.version
+        update_phases = per_call(device_decode.phases, update_rounds)  # none where the update decodes on the host
         if profiles and model.spare >= 2:  # two more versions: one for each profiler
             version = update_rounds
 
@@ -658,13 +680,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "floor_changes_per_s": nnz / t_floor_decode_one["median"],
                                     "spread": [t_decode_one, t_floor_decode_one, t_floor_decompress]}
 
-        def device_row(timed: dict[str, float], waits: int) -> dict[str, Any]:
-            """A decode on the device path: its rate and how many times the host waited."""
+        def device_row(timed: dict[str, float], waits: int, phases: dict[str, float]) -> dict[str, Any]:
+            """A decode on the device path: its rate, how many times the host waited, where its time went."""
             return {"deltasync": timed["median"], **floors, "changes_per_s": nnz / timed["median"],
-                    "threads": threads, "host_waits": waits, "tensors": len(model.masters),
+                    "threads": threads, "host_waits": waits, "tensors": len(model.masters), "phases": phases,
                     "spread": [timed, t_floor_decode, t_floor_decompress]}
 
-        rows["decode, device path"] = device_row(t_decode_device, decode_waits)
+        rows["decode, device path"] = device_row(t_decode_device, decode_waits, device_phases)
         rows["apply"] = {"deltasync": t_apply["median"], "floor": t_floor_apply["median"],
                          "floor_with_copy": t_floor_h2d_apply["median"],
                          "floor_index_copy": t_floor_copy["median"], "floor_index_put": t_floor_put["median"],
@@ -672,13 +694,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["apply, staged"] = {"deltasync": t_apply_staged["median"], "floor": t_floor_apply["median"],
                                  "floor_with_copy": t_floor_h2d_apply["median"],
                                  "spread": [t_apply_staged, t_floor_apply]}
-        rows["decode, vLLM rank"] = device_row(t_rank_decode, rank_waits)
+        rows["decode, vLLM rank"] = device_row(t_rank_decode, rank_waits, rank_phases)
         rows["apply, vLLM rank"] = {"deltasync": t_rank_apply["median"], "floor": t_floor_apply["median"],
                                     "floor_with_copy": t_floor_h2d_apply["median"],
                                     "spread": [t_rank_apply, t_floor_apply]}
         rows["whole update"] = {"deltasync": statistics.median(updates), "floor": t_full_copy["median"],
                                 "parts": {stage: statistics.median(p[k] for p in parts)
                                           for k, stage in enumerate(("fetch", "decode", "apply"))},
+                                "phases": update_phases,
                                 "spread": [{"median": statistics.median(updates), "min": min(updates),
                                             "max": max(updates)}, t_full_copy]}
     finally:
@@ -755,6 +778,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"device memory at the most: {human_bytes(result['device_peak_bytes'])} "
               f"({result['device_peak_bytes'] / result['weight_bytes']:.1f}x the bf16 weights)")
     print(table(rows, ["stage", "deltasync", "floor", "ratio", ""]))
+    phased = [(stage, row) for stage, row in result["stages"].items() if row.get("phases")]
+    if phased:  # where each device path's host time went: what paces a replica or trainer on an accelerator
+        print("host time of the device paths by phase, per call (inflate runs on a thread of its own, beside the "
+              "queueing; inflate_wait is the queueing waiting for it):")
+        print(table([[stage, f"{1e3 * (row['parts']['decode'] if 'parts' in row else row['deltasync']):.1f} ms",
+                      ", ".join(f"{phase} {1e3 * t:.1f}" for phase, t in row["phases"].items())]
+                     for stage, row in phased], ["stage", "time", "phases (ms)"]))
     print(f"wrote {path}")
     return result
 

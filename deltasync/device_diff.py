@@ -50,7 +50,10 @@ counts its waits so a CPU run shows the structure.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 
@@ -61,7 +64,8 @@ from .diff_chunks import Chunk, chunks
 from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums, settle, stage
 
 __all__ = [
-    "DeviceChange", "GROUP", "SLACK", "Tally", "WaitCounter", "changes_on_device", "host_waits", "searched_chunks",
+    "DeviceChange", "GROUP", "SLACK", "Phases", "Tally", "WaitCounter", "changes_on_device", "host_waits", "phases",
+    "searched_chunks",
     "to_device", "to_host",
 ]
 
@@ -92,6 +96,35 @@ class Tally:
         return self.count
 
 
+class Phases:
+    """Host seconds spent so far in each named phase of a device path (``take()``: them, and start again), each
+    phase also a named range in a torch profiler's trace (``{prefix}.{phase}``): where a version's time goes
+    on an accelerator, for a benchmark to show without a profiler. A phase run on another thread (a decode's
+    inflating, beside the queueing) adds its own time."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            with record_function(f"{self.prefix}.{phase}"):
+                yield
+        finally:
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                self._seconds[phase] = self._seconds.get(phase, 0.0) + elapsed
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last ``take()``."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, {}
+        return seconds
+
+
 class WaitCounter(Tally):
     """How many times this process waited for a device's results in one device path (callable: the count)."""
 
@@ -117,6 +150,9 @@ host_waits = WaitCounter()
 """``host_waits()``: the waits so far (two per call of :func:`changes_on_device` that found changes)."""
 searched_chunks = Tally()
 """``searched_chunks()``: the chunks :func:`changes_on_device` has compared so far (a run of small tensors is one)."""
+phases = Phases("deltasync.diff")
+"""Host time of :func:`changes_on_device` by phase: ``search`` (queueing the searches), ``wait_found`` (wait 1)
+and ``wait_changes`` (wait 2)."""
 
 
 SLACK = 1024
@@ -164,13 +200,13 @@ def changes_on_device(
             bounds[k] = min(2 * last + SLACK, job.numel)
         else:
             counted[k] = _count(job, scratch)
-    with record_function("deltasync.diff.search"):
+    with phases("search"):
         searched = [_search(jobs, group, bounds, scratch, words) for group, words in _groups(jobs, bounds)]  # queued
     host_waits.count += 1  # wait 1: the counts and what each search found, in one copy
     home = jobs[0].old.device
     found_on_device = [torch.cat([group.found.view(-1), group.counts]).to(home) for group in searched]
     found_on_device += [counts.to(home) for counts in counted.values()]
-    with record_function("deltasync.diff.wait_found"):
+    with phases("wait_found"):
         flat = torch.cat(found_on_device).tolist()  # per search, its (words, elements) pairs and member counts
     exact: dict[int, list[int]] = {}  # chunk -> changed elements of each of its members
     found: dict[int, tuple[_Group, int]] = {}  # job -> (its search, where its changes start in it)
@@ -219,7 +255,7 @@ def changes_on_device(
         group, at = found[k]
         ends[id(group)] = (group, max(ends.get(id(group), (group, 0))[1], at + total[k]))
     on_host = {key: group.to_host(end) for key, (group, end) in ends.items()}
-    with record_function("deltasync.diff.wait_changes"):
+    with phases("wait_changes"):
         host_waits.wait(*devices)  # wait 2: every copy above has landed
     # Each search's results cut into every member's changes by one split per column (a slice each costs more).
     cuts: dict[int, list[tuple[int, int, int, int]]] = {}  # per search: (start, count, tensor, chunk)

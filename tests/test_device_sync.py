@@ -30,6 +30,13 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     rebuilt = result["stages"]["decode, device path"]
     assert rebuilt["host_waits"] == 1 and rebuilt["tensors"] == 64  # one wait for the file, not one per tensor
     assert result["stages"]["decode, vLLM rank"]["host_waits"] == 1  # through a rank's index map too
+    # Where each device path's host time went, by phase (the GPU run's breakdown, without a profiler)
+    phases = {"inflate", "inflate_wait", "queue", "wait", "check_values"}
+    assert set(rebuilt["phases"]) == phases == set(result["stages"]["decode, vLLM rank"]["phases"])
+    assert set(result["stages"]["diff, device path"]["phases"]) == {"search", "wait_found", "wait_changes"}
+    assert all(t >= 0 for t in rebuilt["phases"].values()) and rebuilt["phases"]["inflate"] > 0
+    assert result["stages"]["whole update"]["phases"] == {}  # a CPU replica decodes on the host path
+    assert "host time of the device paths by phase" in done.stdout
     one = result["stages"]["decode, 1 thread"]
     assert one["threads"] == 1 and one["floor_changes_per_s"] > 0  # the per-core floor, also on one core
     assert "floor" in done.stdout.split("decode, 1 thread")[1].splitlines()[0]

@@ -667,3 +667,34 @@ def test_a_snapshot_advances_from_a_change_set_found_on_the_device_path() -> Non
     there.advance(found)
     snap.advance(diff(snap, live))
     assert all(torch.equal(there[name], snap[name]) for name in live) and diff(there, live).changes == ()
+
+
+def test_phases_add_up_host_time_per_phase_across_threads_and_start_again_on_take() -> None:
+    """The device paths' phase clock: each phase's time summed (a phase on another thread adds its own), a
+    phase that raises still counted, ``take()`` returning the sums and starting again, each phase a named
+    range in a profiler's trace."""
+    import threading
+    import time
+
+    from deltasync.device_diff import Phases
+
+    phases = Phases("deltasync.test")
+    with phases("a"):
+        time.sleep(0.01)
+
+    def other() -> None:
+        with phases("b"):
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    with pytest.raises(ValueError), phases("a"):
+        raise ValueError
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with phases("c"):
+            torch.zeros(4).add_(1)
+    taken = phases.take()
+    assert set(taken) == {"a", "b", "c"} and taken["a"] >= 0.01 and taken["b"] >= 0.01
+    assert phases.take() == {}
+    assert "deltasync.test.c" in {event.name for event in prof.events()}

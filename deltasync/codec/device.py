@@ -49,9 +49,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
-from ..device_diff import WaitCounter, to_host
+from ..device_diff import Phases, WaitCounter, to_host
 from ..errors import CodecError
 from ..parallel import map_shared, mostly_python
 from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
@@ -59,7 +58,7 @@ from ._zstd import check_frame, decompress, decompress_into
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
 
-__all__ = ["BATCH", "DeviceReader", "Streams", "decode_on_device", "host_waits", "streams_of"]
+__all__ = ["BATCH", "DeviceReader", "Streams", "decode_on_device", "host_waits", "phases", "streams_of"]
 
 _ALIGN = 8  # every stream starts 8-byte aligned in the packed buffer, so the side gaps view as int64
 
@@ -67,6 +66,10 @@ BATCH = 1 << 22
 """Changed elements per batch of :func:`decode_on_device`: about 400 MB of scratch on the device at a time."""
 host_waits = WaitCounter()
 """``host_waits()``: the waits so far (one per device in each call of :func:`decode_on_device`)."""
+phases = Phases("deltasync.decode")
+"""Host time of :func:`decode_on_device` by phase: ``inflate`` (checking and inflating frames, on a thread of its
+own beside the queueing), ``inflate_wait`` (the queueing waiting for it), ``queue``, ``wait`` (for the
+device) and ``check_values`` (the digests)."""
 
 
 class DeviceReader(Protocol):
@@ -178,12 +181,13 @@ def decode_on_device(
     with ThreadPoolExecutor(1, "deltasync-stage") as ahead:
         staged = ahead.submit(_stage, *batches[0])
         for k, (device, group) in enumerate(batches):
-            plan, host = staged.result()
+            with phases("inflate_wait"):
+                plan, host = staged.result()
             if k + 1 < len(batches):
                 staged = ahead.submit(_stage, *batches[k + 1])
-            with record_function("deltasync.decode.queue"):
+            with phases("queue"):
                 queued.append(_queue_group(device, group, reader, plan, host))
-    with record_function("deltasync.decode.wait"):
+    with phases("wait"):
         for device in by_device:
             host_waits.wait(device)  # the one wait per device: every flag and value has reached the host
     failed = {item.name for batch in queued for item in batch.failed()}
@@ -194,7 +198,7 @@ def decode_on_device(
                 f"[0, {item.spec.numel}))", name=item.name,
             )
     checks = [(batch, k) for batch in queued for k in range(len(batch.items))]
-    with record_function("deltasync.decode.check_values"):
+    with phases("check_values"):
         sizes = [job[0].items[job[1]].nnz for job in checks]
         map_shared(lambda job: job[0].check(job[1]), checks, sizes, serial=[mostly_python(n) for n in sizes])
     out = {name: patch for batch in queued for name, patch in batch.decoded.items()}
@@ -329,7 +333,7 @@ class _Packing:
 
 def _stage(device: torch.device, items: list[Streams]) -> tuple[_Packing, torch.Tensor]:
     """Lay out a batch and fill its host buffer (pinned for a CUDA device), on the decode threads."""
-    with record_function("deltasync.decode.inflate"):
+    with phases("inflate"):
         plan = _Packing(items)
         host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         plan.fill(host.numpy(), items)
