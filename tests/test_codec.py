@@ -1162,7 +1162,7 @@ def test_segment_owners_match_repeat_interleave(counts: list[int]) -> None:
 
 def test_frames_inflate_straight_into_their_targets_or_are_refused() -> None:
     """``decompress_into``: a frame fills its targets exactly; one that holds more or less than they take,
-    carries bytes after it, or is corrupt is a ``CodecError``, never a partial success."""
+    carries bytes after it, or is corrupt is a ``CodecError``, and its targets are left as they were."""
     from deltasync.codec._zstd import check_frame, compress, decompress_into
     from deltasync.errors import CodecError
 
@@ -1173,14 +1173,16 @@ def test_frames_inflate_straight_into_their_targets_or_are_refused() -> None:
     decompress_into(frame, targets, "t::idx")
     assert np.array_equal(np.concatenate(targets), payload) and not out[5000:5010].any()
     for wrong in ([out[:11999]], [out[:12000], np.zeros(1, dtype=np.uint8)]):
-        with pytest.raises(CodecError, match="expected"):
+        with pytest.raises(CodecError, match="declares 12000 bytes, header expects"):
             decompress_into(frame, wrong, "t::idx")
     with pytest.raises(CodecError, match="after the zstd frame"):
         decompress_into(np.concatenate([frame, frame[:5]]), [np.zeros(12000, dtype=np.uint8)], "t::idx")
     broken = frame.copy()
     broken[len(broken) // 2] ^= 0xFF
+    untouched = np.full(12000, 5, dtype=np.uint8)
     with pytest.raises(CodecError):
-        decompress_into(broken, [np.zeros(12000, dtype=np.uint8)], "t::idx")
+        decompress_into(broken, [untouched], "t::idx")
+    assert (untouched == 5).all()
 
 
 @settings(max_examples=60, deadline=None)

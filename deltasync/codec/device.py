@@ -9,8 +9,8 @@ weights live:
 
 1. **Host threads**: each tensor's zstd frames are checked (their declared sizes
    against the header, before any allocation, as on the host path), then
-   inflated straight into their places in one (pinned, on CUDA) host buffer:
-   no stream is allocated or copied on the host.
+   inflated and copied into their places in one (pinned, on CUDA) host buffer,
+   laid out for the device's ops.
 2. **One copy** of that buffer to the device (1 to 4 bytes per change for
    positions and 2 or 4 for values, instead of 8 + 2 + 2 on the host path).
 3. **On the device, queued, for all tensors at once**: byte planes merged
@@ -54,7 +54,7 @@ from ..device_diff import Phases, WaitCounter, to_host
 from ..errors import CodecError
 from ..parallel import map_shared, mostly_python
 from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
-from ._zstd import check_frame, decompress, decompress_into
+from ._zstd import decompress, decompress_into
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
 
@@ -114,7 +114,7 @@ def streams_of(
     """Check one tensor's params and decompress its frames (runs on the host's decode threads).
 
     With ``inflate=False`` the frames are kept: :func:`decode_on_device` checks them and inflates them
-    straight into the buffer it copies to the device.
+    into the buffer it copies to the device.
 
     Raises:
         `CodecError`: bad params, a missing or mistyped part, a frame of the wrong size.
@@ -312,8 +312,7 @@ class _Packing:
         value_planes = [out[base + p * count + value : base + p * count + value + n] for p in range(width)]
         if not item.inflated:
             for targets, frame, part in ((index_planes, item.idx, "idx"), (value_planes, item.val, "val")):
-                what = f"{item.spec.name}::{part}"
-                decompress_into(check_frame(np.asarray(frame), sum(t.size for t in targets), what), targets, what)
+                decompress_into(np.asarray(frame), targets, f"{item.spec.name}::{part}")
             return
         for targets, stream in ((index_planes, item.idx), (value_planes, item.val)):
             at = 0
