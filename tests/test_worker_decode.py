@@ -233,9 +233,11 @@ def test_a_rank_reads_each_base_straight_into_the_batch() -> None:
 
 
 def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """40 checkpoint tensors stacked in one runtime parameter (a layer's experts): their changes go in one
-    scatter (one kernel on a GPU instead of 40), each exactly where the map puts it."""
+    """40 checkpoint tensors stacked in one runtime parameter (a layer's experts): each base is read where its
+    tensor lies, their changes go in one scatter (one kernel on a GPU instead of 40), each exactly where the map
+    puts it."""
     from deltasync.appliers import mapping
+    from tests.dispatch_helpers import recorded_ops
 
     old = _many(40)
     new = _step(old)
@@ -248,8 +250,16 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
     scatters = []
     real = mapping._write_bits
     monkeypatch.setattr(mapping, "_write_bits", lambda *args: (scatters.append(args[1].numel()), real(*args)))
-    patches = decode_here(index, [_delta(old, new)], whole=False, on_device=True)
-    written, touched = write_patches(index, patches)
+    data = _delta(old, new)
+    with recorded_ops() as ops:  # each base read where its tensor lies in the parameter: no index shifted first
+        patches = decode_here(index, [data], whole=False, on_device=True)
+    assert ops.count("aten.index_select") == 40 and ops.count("aten.add") == 2  # 41 when each index was shifted
+    with recorded_ops() as ops:  # and every tensor's indices shifted to its place by one lookup, not 40 adds
+        written, touched = write_patches(index, patches)
+    assert ops.count("aten.add") + ops.count("aten.add_") == 1
+    with recorded_ops() as ops:  # read back where each tensor lies too
+        assert check_written(index, patches, samples=10_000) == (written, [])
+    assert ops.count("aten.add") == 0
     assert scatters == [written] and touched == [fused]
     assert torch.equal(fused.data.view(torch.int16), torch.cat(list(new.values())).view(torch.int16))
     assert check_written(index, patches, samples=10_000) == (written, [])

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
-from ..tensors import TensorSpec, host_ints, positions
+from ..tensors import TensorSpec, host_ints, positions, segment_owners, stage
 from .mapping import PLAIN, IndexMap, Target
 
 __all__ = [
@@ -148,26 +148,32 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
     A sparse patch's share of a target that holds part of its tensor (a tensor-parallel shard) is counted
     on the device for every such target first, and the counts read back together (one host wait per
     device, not one per tensor); the sparse writes into one plain parameter (a fused parameter's tensors:
-    a layer's experts) go in one scatter; whole tensors (an anchor's) are written one by one.
+    a layer's experts) go in one scatter, each tensor's indices shifted to its place there by a few ops for
+    the lot (not one per tensor); whole tensors (an anchor's) are written one by one.
 
     Returns:
         `tuple[int, list[torch.nn.Parameter]]`: elements written, and every parameter reached.
     """
     written = 0
     touched: dict[int, torch.nn.Parameter] = {}
-    located: list[tuple[Target, TensorSpec, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+    located: list[tuple[Target, TensorSpec, torch.Tensor | None, torch.Tensor, torch.Tensor, int]] = []
     for patch in patches:
         for target in index.targets[patch.name]:
             touched[id(target.param)] = target.param
             if patch.indices is None:
                 written += _write_whole(target, patch.spec, patch.values)
                 continue
-            owned, runtime = target.locate(patch.indices.to(target.param.data.device))
-            located.append((target, patch.spec, owned, runtime, patch.values))
-    counts = host_ints([0 if owned is None else owned.sum() for _, _, owned, _, _ in located])
+            idx = patch.indices.to(target.param.data.device)
+            span = target.whole_range() if target.layout is PLAIN else None
+            if span is not None:  # the whole tensor at one flat range: its indices shifted where it is written
+                located.append((target, patch.spec, None, idx, patch.values, span[0]))
+                continue
+            owned, runtime = target.locate(idx)
+            located.append((target, patch.spec, owned, runtime, patch.values, 0))
+    counts = host_ints([0 if owned is None else owned.sum() for _, _, owned, _, _, _ in located])
     # Writes into one plain parameter (a fused parameter's tensors: a layer's experts, q/k/v) go together.
-    writes: dict[tuple[int, torch.dtype], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
-    for (target, spec, owned, runtime, values), count in zip(located, counts):
+    writes: dict[tuple[int, torch.dtype], list[tuple[Target, torch.Tensor, torch.Tensor, int]]] = {}
+    for (target, spec, owned, runtime, values, shift), count in zip(located, counts):
         data = target.param.data
         values = values.to(data.device)
         if owned is not None:  # this target's share: the positions it holds, their number known
@@ -179,18 +185,34 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
         if target.layout is not PLAIN or target.flat is None:
             target.layout.write(data, runtime, values, spec.torch_dtype)
             continue
-        key = (id(target.param), spec.torch_dtype)
-        if key in writes:
-            writes[key].append((target, runtime, values))
-        else:
-            writes[key] = [(target, runtime, values)]
+        writes.setdefault((id(target.param), spec.torch_dtype), []).append((target, runtime, values, shift))
     for (_, published), group in writes.items():
         if len(group) > 1 and _disjoint([item[0] for item in group]):
-            runtime, values = torch.cat([item[1] for item in group]), torch.cat([item[2] for item in group])
-            group = [(group[0][0], runtime, values)]
-        for target, runtime, values in group:  # else one by one, in order, as the map lists them
-            target.layout.write(target.param.data, runtime, values, published)
+            runtime = _shifted([(item[1], item[3]) for item in group])
+            group = [(group[0][0], runtime, torch.cat([item[2] for item in group]), 0)]
+        for target, runtime, values, shift in group:  # else one by one, in order, as the map lists them
+            data = target.param.data
+            if shift:  # a view from where the tensor starts: its own indices address it, no kernel to shift them
+                data = data.view(-1)[shift:]
+            target.layout.write(data, runtime, values, published)
     return written, list(touched.values())
+
+
+SHIFT_TOGETHER = 8
+"""Pieces of one fused write from which their shifts are added by one lookup for all (about ten ops), not one
+add a piece: a layer's experts, not its q/k/v."""
+
+
+def _shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The runtime indices of several tensors' writes into one parameter, joined: each piece's indices plus its
+    shift; from :data:`SHIFT_TOGETHER` pieces on, added for all at once (each element's shift looked up by
+    its piece)."""
+    if len(pieces) < SHIFT_TOGETHER:
+        return torch.cat([indices + shift if shift else indices for indices, shift in pieces])
+    joined = torch.cat([indices for indices, _ in pieces])
+    sizes, shifts = stage([torch.tensor([[len(i), shift] for i, shift in pieces], dtype=torch.int64)],
+                          joined.device)[0].unbind(1)
+    return joined.add_(shifts[segment_owners(sizes, joined.numel())])
 
 
 def _disjoint(targets: Sequence[Target]) -> bool:
@@ -291,6 +313,9 @@ def read_masked(target: Target, idx: torch.Tensor, published: torch.dtype) -> tu
     and which of them it holds (a mask; ``None``: all of them): no host wait (:meth:`~.mapping.Target.locate`).
     """
     data = target.param.data
+    span = target.whole_range() if target.layout is PLAIN else None
+    if span is not None:  # the whole tensor at one flat range: read where it lies, no index shifted first
+        return None, PLAIN.read(data.view(-1)[span[0] :] if span[0] else data, idx.to(data.device), published)
     owned, runtime = target.locate(idx.to(data.device))
     return owned, target.layout.read(data, runtime, published)
 

@@ -219,13 +219,22 @@ class Target:
         pos = owned.nonzero().squeeze(1)  # the one host wait: how many are owned
         return pos, runtime[pos]
 
+    def whole_range(self) -> tuple[int, int] | None:
+        """``(start, stop)``: the runtime flat range that holds the whole checkpoint tensor in its own order
+        (in place, or shifted), where one does; there a checkpoint flat index needs no translating. Else
+        ``None``."""
+        if self.flat is None:
+            return None
+        a, b, shift = self.flat
+        return (shift, shift + b) if a == 0 and b == math.prod(self.ckpt_shape) else None
+
     def locate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Which of ``idx`` are owned here (a mask; ``None``: all of them) and a runtime flat index for
         every one of them, without waiting for the device: an index not owned here gets some element of
         the parameter (always in bounds), to be masked out by the caller."""
         if self.flat is not None:
             a, b, shift = self.flat
-            if a == 0 and b == math.prod(self.ckpt_shape):  # the whole tensor, shifted: no mask
+            if self.whole_range() is not None:  # the whole tensor, shifted: no mask
                 return None, idx + shift if shift else idx
             return (idx >= a) & (idx < b), idx.clamp(a, b - 1) + shift
         if self.table is not None:

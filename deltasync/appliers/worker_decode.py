@@ -139,7 +139,7 @@ class MapReader:
         targets = self._index.targets.get(name)
         if not targets:
             raise TensorMismatch(f"{name}: {_MISSING}", name=name)
-        return targets[0].param.data.device
+        return targets[0].param.device  # the same as its data's, without making a detached tensor to ask
 
     def gather(self, name: str, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds), on :meth:`device_of`'s device (into
@@ -149,6 +149,11 @@ class MapReader:
         targets = self._index.targets[name]
         if out is not None and len(targets) == 1 and targets[0].layout is PLAIN:  # the rule: one read, into ``out``
             data = targets[0].param.data
+            span = targets[0].whole_range()
+            if (span is not None and data.dtype == published and data.is_contiguous()
+                    and index.device == out.device == data.device):  # read where it lies: no index shifted
+                flat = bits_view(data).view(-1)
+                return torch.index_select(flat[span[0] :] if span[0] else flat, 0, index, out=out)
             owned, runtime = targets[0].locate(index)
             if owned is None and data.dtype == published and data.is_contiguous() and runtime.device == out.device:
                 return torch.index_select(bits_view(data).view(-1), 0, runtime, out=out)
@@ -188,8 +193,8 @@ def accelerator_of(index: IndexMap) -> torch.device | None:
     """The accelerator some of this rank's weights live on (``None``: all of them are on the CPU)."""
     for targets in index.targets.values():
         for target in targets:
-            if target.param.data.device.type != "cpu":
-                return target.param.data.device
+            if target.param.device.type != "cpu":
+                return target.param.device
     return None
 
 
