@@ -407,8 +407,8 @@ def rank_stage(
 ) -> tuple[dict[str, float], dict[str, float], int, dict[str, float], bool]:
     """A vLLM engine of one rank holding a copy of ``weights``: its worker decodes the file against them, read
     through its map (the device path, as on a GPU), then writes the patches and reads a sample back. The
-    decode's and the write's times, where the decode's host time went, its host waits, and whether the rank ended equal to
-    ``masters``."""
+    decode's and the write's times, where the decode's host time went, its host waits, and whether the rank
+    ended equal to ``masters``."""
     index = rank_map({n: t.clone() for n, t in weights.items()})
     t_decode, phases = spread_phases(lambda: decode_here(index, [data], whole=False, on_device=True), repeats,
                                      device, device_decode.phases)
@@ -458,6 +458,7 @@ def checkpoint_bytes(path: str) -> tuple[int, int]:
     from safetensors import safe_open
 
     from deltasync.appliers.checkpoint_files import checkpoint_files
+    from deltasync.format.layout import SAFETENSORS_DTYPES
 
     try:
         files = checkpoint_files(Path(path)) if Path(path).is_dir() else [Path(path)]
@@ -468,9 +469,9 @@ def checkpoint_bytes(path: str) -> tuple[int, int]:
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
-                                        "F64": "float64"}.get(piece.get_dtype(), "uint8"))
-                if dtype.is_floating_point:
+                name_of = piece.get_dtype()
+                dtype = SAFETENSORS_DTYPES.get(name_of, torch.uint8)  # 8-bit floats (F8_*): a byte each
+                if dtype.is_floating_point or name_of.startswith("F8"):
                     numel = math.prod(piece.get_shape())
                     nbytes, elements = nbytes + numel * dtype.itemsize, elements + numel
     return nbytes, elements

@@ -65,8 +65,7 @@ from .tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segmen
 
 __all__ = [
     "DeviceChange", "GROUP", "SLACK", "Phases", "Tally", "WaitCounter", "changes_on_device", "host_waits", "phases",
-    "searched_chunks",
-    "to_device", "to_host",
+    "searched_chunks", "to_device", "to_host",
 ]
 
 

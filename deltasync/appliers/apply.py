@@ -199,8 +199,8 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
 
 
 SHIFT_TOGETHER = 8
-"""Pieces of one fused write from which their shifts are added by one lookup for all (about ten ops), not one
-add a piece: a layer's experts, not its q/k/v."""
+"""From this many pieces on, a joined write adds each piece's shift by one lookup for all of them (about ten
+ops) instead of one add a piece: a layer's experts, not its q/k/v."""
 
 
 def _shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
