@@ -257,12 +257,22 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
     with recorded_ops() as ops:  # and every tensor's indices shifted to its place by one lookup, not 40 adds
         written, touched = write_patches(index, patches)
     assert ops.count("aten.add") + ops.count("aten.add_") == 1
-    with recorded_ops() as ops:  # read back where each tensor lies too
+    with recorded_ops() as ops:  # read back where each tensor lies too, all 40 with one gather
         assert check_written(index, patches, samples=10_000) == (written, [])
-    assert ops.count("aten.add") == 0
+    assert ops.count("aten.index_select") == 1 and "aten.add" not in ops
     assert scatters == [written] and touched == [fused]
     assert torch.equal(fused.data.view(torch.int16), torch.cat(list(new.values())).view(torch.int16))
     assert check_written(index, patches, samples=10_000) == (written, [])
+    victim = next(p for p in patches if p.name == "layer7.weight")
+    fused.data.view(torch.int16).view(-1)[victim.indices + 7 * 64 * 32] += 1  # none of its writes landed
+    n = victim.indices.numel()
+    assert check_written(index, patches, samples=10_000)[1] == [
+        {"tensor": "layer7.weight", "param": "experts.weight", "wrong": n, "read": n}]
+    with recorded_ops() as ops:  # sampled: each tensor's draw, then still one gather for the parameter
+        checked, wrong = check_written(index, patches, samples=100)
+    assert checked == 40 * 100 and wrong == [
+        {"tensor": "layer7.weight", "param": "experts.weight", "wrong": 100, "read": 100}]
+    assert ops.count("aten.index_select") == 2 * 40 + 1
 
 
 def test_tensors_tied_to_one_place_are_written_one_after_another() -> None:

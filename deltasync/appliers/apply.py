@@ -50,6 +50,8 @@ __all__ = [
     "merge_bits",
     "read_through",
     "read_masked",
+    "shifted",
+    "SHIFT_TOGETHER",
     "checked_indices",
     "bits_numpy_dtype",
 ]
@@ -188,7 +190,7 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
         writes.setdefault((id(target.param), spec.torch_dtype), []).append((target, runtime, values, shift))
     for (_, published), group in writes.items():
         if len(group) > 1 and _disjoint([item[0] for item in group]):
-            runtime = _shifted([(item[1], item[3]) for item in group])
+            runtime = shifted([(item[1], item[3]) for item in group])
             group = [(group[0][0], runtime, torch.cat([item[2] for item in group]), 0)]
         for target, runtime, values, shift in group:  # else one by one, in order, as the map lists them
             data = target.param.data
@@ -203,9 +205,9 @@ SHIFT_TOGETHER = 8
 ops) instead of one add a piece: a layer's experts, not its q/k/v."""
 
 
-def _shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """The runtime indices of several tensors' writes into one parameter, joined: each piece's indices plus its
-    shift; from :data:`SHIFT_TOGETHER` pieces on, added for all at once (each element's shift looked up by
+def shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The runtime indices of several tensors' reads or writes in one parameter, joined: each piece's indices
+    plus its shift; from :data:`SHIFT_TOGETHER` pieces on, added for all at once (each element's shift looked up by
     its piece)."""
     if len(pieces) < SHIFT_TOGETHER:
         return torch.cat([indices + shift if shift else indices for indices, shift in pieces])
