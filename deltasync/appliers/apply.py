@@ -39,7 +39,7 @@ import torch
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
 from ..tensors import TensorSpec, host_ints, positions, segment_owners, stage
-from .mapping import PLAIN, IndexMap, Target
+from .mapping import PLAIN, IndexMap, Target, from_start
 
 __all__ = [
     "check_header",
@@ -166,9 +166,9 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
                 written += _write_whole(target, patch.spec, patch.values)
                 continue
             idx = patch.indices.to(target.param.data.device)
-            span = target.whole_range() if target.layout is PLAIN else None
-            if span is not None:  # the whole tensor at one flat range: its indices shifted where it is written
-                located.append((target, patch.spec, None, idx, patch.values, span[0]))
+            start = target.whole_start() if target.layout is PLAIN else None
+            if start is not None:  # the whole tensor at one flat range: its indices shifted where it is written
+                located.append((target, patch.spec, None, idx, patch.values, start))
                 continue
             owned, runtime = target.locate(idx)
             located.append((target, patch.spec, owned, runtime, patch.values, 0))
@@ -194,8 +194,8 @@ def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[
             group = [(group[0][0], runtime, torch.cat([item[2] for item in group]), 0)]
         for target, runtime, values, shift in group:  # else one by one, in order, as the map lists them
             data = target.param.data
-            if shift:  # a view from where the tensor starts: its own indices address it, no kernel to shift them
-                data = data.view(-1)[shift:]
+            if shift:  # from where the tensor starts: its own indices address it
+                data = from_start(data, shift)
             target.layout.write(data, runtime, values, published)
     return written, list(touched.values())
 
@@ -315,9 +315,9 @@ def read_masked(target: Target, idx: torch.Tensor, published: torch.dtype) -> tu
     and which of them it holds (a mask; ``None``: all of them): no host wait (:meth:`~.mapping.Target.locate`).
     """
     data = target.param.data
-    span = target.whole_range() if target.layout is PLAIN else None
-    if span is not None:  # the whole tensor at one flat range: read where it lies, no index shifted first
-        return None, PLAIN.read(data.view(-1)[span[0] :] if span[0] else data, idx.to(data.device), published)
+    start = target.whole_start() if target.layout is PLAIN else None
+    if start is not None:  # the whole tensor at one flat range: read where it lies, no index shifted first
+        return None, PLAIN.read(from_start(data, start), idx.to(data.device), published)
     owned, runtime = target.locate(idx.to(data.device))
     return owned, target.layout.read(data, runtime, published)
 

@@ -72,6 +72,7 @@ __all__ = [
     "layout_names",
     "layout_for",
     "Target",
+    "from_start",
     "IndexMap",
     "fit_targets",
     "strides",
@@ -182,6 +183,14 @@ def layout_for(param_name: str, param: torch.nn.Parameter) -> Layout:
 # ---------------------------------------------------------------------- targets
 
 
+def from_start(data: torch.Tensor, start: int) -> torch.Tensor:
+    """``data``'s elements, flat, from runtime flat index ``start`` on: where a tensor that lies whole at one
+    flat range (:meth:`Target.whole_start`) is read or written by its own flat indices, with no kernel to
+    shift them."""
+    flat = data.view(-1)
+    return flat[start:] if start else flat
+
+
 @dataclass(slots=True)
 class Target:
     """Where part of one checkpoint tensor lives in one runtime parameter on this rank."""
@@ -219,14 +228,14 @@ class Target:
         pos = owned.nonzero().squeeze(1)  # the one host wait: how many are owned
         return pos, runtime[pos]
 
-    def whole_range(self) -> tuple[int, int] | None:
-        """``(start, stop)``: the runtime flat range that holds the whole checkpoint tensor in its own order
-        (in place, or shifted), where one does; there a checkpoint flat index needs no translating. Else
-        ``None``."""
+    def whole_start(self) -> int | None:
+        """The runtime flat index where the whole checkpoint tensor starts, where it lies whole at one flat
+        range in its own order (in place, or shifted): from there (:func:`from_start`) a checkpoint flat index
+        needs no translating. Else ``None``."""
         if self.flat is None:
             return None
         a, b, shift = self.flat
-        return (shift, shift + b) if a == 0 and b == math.prod(self.ckpt_shape) else None
+        return shift if a == 0 and b == math.prod(self.ckpt_shape) else None
 
     def locate(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Which of ``idx`` are owned here (a mask; ``None``: all of them) and a runtime flat index for
@@ -234,7 +243,7 @@ class Target:
         the parameter (always in bounds), to be masked out by the caller."""
         if self.flat is not None:
             a, b, shift = self.flat
-            if self.whole_range() is not None:  # the whole tensor, shifted: no mask
+            if self.whole_start() is not None:  # the whole tensor, shifted: no mask
                 return None, idx + shift if shift else idx
             return (idx >= a) & (idx < b), idx.clamp(a, b - 1) + shift
         if self.table is not None:

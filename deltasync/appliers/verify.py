@@ -302,9 +302,9 @@ def _fused_reads(
         targets = index.targets[patch.name]
         if patch.indices is None or not patch.indices.numel() or len(targets) != 1 or targets[0].layout is not PLAIN:
             continue
-        span, data = targets[0].whole_range(), targets[0].param.data
-        if span is not None and data.is_contiguous() and data.device == patch.indices.device:
-            groups.setdefault((id(targets[0].param), patch.spec.torch_dtype), []).append((patch, targets[0], span[0]))
+        start, data = targets[0].whole_start(), targets[0].param.data
+        if start is not None and data.is_contiguous() and data.device == patch.indices.device:
+            groups.setdefault((id(targets[0].param), patch.spec.torch_dtype), []).append((patch, targets[0], start))
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for (_, published), members in groups.items():
         if len(members) < SHIFT_TOGETHER:

@@ -41,7 +41,7 @@ from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
 from ..tensors import bits_dtype, bits_view, host_ints, stage
 from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
-from .mapping import PLAIN, IndexMap
+from .mapping import PLAIN, IndexMap, from_start
 from .wire import patch_parts
 
 __all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
@@ -149,14 +149,10 @@ class MapReader:
         targets = self._index.targets[name]
         if out is not None and len(targets) == 1 and targets[0].layout is PLAIN:  # the rule: one read, into ``out``
             data = targets[0].param.data
-            span = targets[0].whole_range()
-            if (span is not None and data.dtype == published and data.is_contiguous()
+            start = targets[0].whole_start()
+            if (start is not None and data.dtype == published and data.is_contiguous()
                     and index.device == out.device == data.device):  # read where it lies: no index shifted
-                flat = bits_view(data).view(-1)
-                return torch.index_select(flat[span[0] :] if span[0] else flat, 0, index, out=out)
-            owned, runtime = targets[0].locate(index)
-            if owned is None and data.dtype == published and data.is_contiguous() and runtime.device == out.device:
-                return torch.index_select(bits_view(data).view(-1), 0, runtime, out=out)
+                return torch.index_select(from_start(bits_view(data), start), 0, index, out=out)
         bits: torch.Tensor | None = None
         held: torch.Tensor | None = None  # None: every element (some target holds all of them)
         for target in self._index.targets[name]:
