@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -241,12 +244,7 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
 
     old = _many(40)
     new = _step(old)
-    specs = [TensorSpec.of(name, tensor) for name, tensor in old.items()]
-    fused = torch.nn.Parameter(torch.cat(list(old.values())), requires_grad=False)  # (40 * 64, 32)
-    index = IndexMap(specs)
-    for i, spec in enumerate(specs):
-        index.targets[spec.name].append(Target(fused, "experts.weight", spec.shape, lo=(0, 0), hi=spec.shape,
-                                               offset=(64 * i, 0), flat=(0, spec.numel, spec.numel * i)))
+    index, fused = _fused(old, "cpu")
     scatters = []
     real = mapping._write_bits
     monkeypatch.setattr(mapping, "_write_bits", lambda *args: (scatters.append(args[1].numel()), real(*args)))
@@ -357,6 +355,28 @@ def _on(device: str, weights: dict[str, torch.Tensor]) -> tuple[IndexMap, dict[s
     return IndexMap.whole(params), params
 
 
+@contextlib.contextmanager
+def _sync_warnings() -> Iterator[None]:
+    """CUDA's sync debug mode on "warn" for the block: every host wait for the GPU becomes a warning to count."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _fused(weights: dict[str, torch.Tensor], device: str) -> tuple[IndexMap, torch.nn.Parameter]:
+    """Every tensor of ``weights`` (each ``[64, 32]``) stacked in one runtime parameter on ``device``, in order
+    (a layer's fused experts)."""
+    specs = [TensorSpec.of(name, tensor) for name, tensor in weights.items()]
+    fused = torch.nn.Parameter(torch.cat(list(weights.values())).to(device), requires_grad=False)
+    index = IndexMap(specs)
+    for i, spec in enumerate(specs):
+        index.targets[spec.name].append(Target(fused, "experts.weight", spec.shape, lo=(0, 0), hi=spec.shape,
+                                               offset=(64 * i, 0), flat=(0, spec.numel, spec.numel * i)))
+    return index, fused
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("codec", ["compact", "compact-exp"])  # rebuilt on the device; decoded on the host
@@ -371,19 +391,50 @@ def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_
         new = _step(old)
         data = encode_delta(diff(Snapshot.capture(old), new), version=1, base_version=0, codec=codec)
         index, params = _on("cuda", old)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _sync_warnings():
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                patches = decode_here(index, [data], whole=False)  # the device path: weights on an accelerator
-                write_patches(index, patches)
-                checked, wrong = check_written(index, patches)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            patches = decode_here(index, [data], whole=False)  # the device path: weights on an accelerator
+            write_patches(index, patches)
+            checked, wrong = check_written(index, patches)
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
         assert all(p.values.device.type == "cuda" for p in patches) and wrong == [] and checked > 0
         for name, param in params.items():
             assert torch.equal(param.data.cpu().view(torch.int16), new[name].view(torch.int16)), name
+    assert syncs[0] == syncs[1], syncs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_rank_writes_a_fused_parameter_s_tensors_on_the_device_path_exactly_waiting_as_often_for_40_as_for_4(
+    device: str,
+) -> None:
+    """A layer's experts stacked in one parameter where the weights live: 4 tensors take a gather and a shift
+    each, 40 the joined paths (one lookup of their offsets, one scatter, one read-back gather); both land
+    exactly, a missed write is still named, and on a GPU neither waits for it more often than the other."""
+    import warnings
+
+    syncs = []
+    for count in (4, 40):
+        old = _many(count)
+        new = _step(old)
+        index, fused = _fused(old, device)
+        data = _delta(old, new)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with _sync_warnings() if device == "cuda" else contextlib.nullcontext():
+                patches = decode_here(index, [data], whole=False, on_device=True)
+                written, touched = write_patches(index, patches)
+                checked, wrong = check_written(index, patches, samples=100)
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        assert wrong == [] and checked > 0 and touched == [fused] and written > 0
+        assert all(p.indices is not None and p.indices.device.type == device for p in patches)
+        assert torch.equal(fused.data.cpu().view(torch.int16), torch.cat(list(new.values())).view(torch.int16))
+        victim = next(p for p in patches if p.name == f"layer{count - 1}.weight")
+        shift = (count - 1) * 64 * 32
+        fused.data.view(torch.int16).view(-1)[victim.indices + shift] += 1  # none of its writes landed
+        n = victim.indices.numel()
+        assert check_written(index, patches, samples=10_000)[1] == [
+            {"tensor": victim.name, "param": "experts.weight", "wrong": n, "read": n}]
     assert syncs[0] == syncs[1], syncs
 
 
