@@ -22,7 +22,8 @@ median of ``--repeats`` runs with the spread (min, max):
 Every version ends bit-exact (checked). Writes
 ``benchmarks/results/device_sync_<device>.json`` (``device_sync_<device>_<N>_tensors.json`` for another
 ``--tensors N``: a Mixture-of-Experts model's thousands of expert tensors, where each tensor's fixed cost
-shows) and prints the table.
+shows; ``..._fused_<M>.json`` with ``--fused M``, where the vLLM rank holds them ``M`` to a parameter as an
+engine fuses a layer's experts, two such parameters taking turns in the file's order) and prints the table.
 
 With ``--checkpoints``, the weights and their steps are a real run's instead: the
 first checkpoint is the starting weights, and every later one replaces all
@@ -36,6 +37,7 @@ go to ``device_sync_<device>_checkpoints.json``.
     python benchmarks/device_sync.py --device cuda --params 1e9
     python benchmarks/device_sync.py --quick              # CI: 8M params, results in a temp dir
     python benchmarks/device_sync.py --tensors 4096       # the same parameters as 4096 tensors (experts)
+    python benchmarks/device_sync.py --tensors 4096 --fused 64   # ... fused 64 to a parameter in the rank
     python benchmarks/device_sync.py --device cuda --checkpoints run/step-*.safetensors
     python benchmarks/device_sync.py --device cuda --params 1e9 --profile prof/   # and where the time goes
 
@@ -81,7 +83,7 @@ from _common import human_bytes, results_dir, shared_machine, table, write_json 
 from deltasync import Publisher, Subscriber, parallel  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.appliers.apply import write_patches  # noqa: E402
-from deltasync.appliers.mapping import IndexMap  # noqa: E402
+from deltasync.appliers.mapping import IndexMap, Target, from_start  # noqa: E402
 from deltasync.appliers.verify import check_written  # noqa: E402
 from deltasync.appliers.worker_decode import decode_here  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
@@ -91,7 +93,7 @@ from deltasync.device_diff import phases as diff_phases  # noqa: E402
 from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, file_entries, read_header  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
-from deltasync.tensors import bits_view  # noqa: E402
+from deltasync.tensors import TensorSpec, bits_view  # noqa: E402
 
 TENSORS = 64
 """The synthetic model's tensors by default (``--tensors``): 2M elements each at 128M parameters."""
@@ -403,20 +405,21 @@ def diff_stage(
 
 def rank_stage(
     weights: dict[str, torch.Tensor], data: bytes, masters: dict[str, torch.Tensor], repeats: int,
-    device: torch.device,
+    device: torch.device, fused: int = 1,
 ) -> tuple[dict[str, float], dict[str, float], int, dict[str, float], bool]:
-    """A vLLM engine of one rank holding a copy of ``weights``: its worker decodes the file against them, read
-    through its map (the device path, as on a GPU), then writes the patches and reads a sample back. The
-    decode's and the write's times, where the decode's host time went, its host waits, and whether the rank
-    ended equal to ``masters``."""
-    index = rank_map({n: t.clone() for n, t in weights.items()})
+    """A vLLM engine of one rank holding a copy of ``weights`` (``fused`` tensors to a parameter: see
+    :func:`rank_map`): its worker decodes the file against them, read through its map (the device path, as on a
+    GPU), then writes the patches and reads a sample back. The decode's and the write's times, where the
+    decode's host time went, its host waits, and whether the rank ended equal to ``masters``."""
+    index = rank_map({n: t.clone() for n, t in weights.items()}, fused)
     t_decode, phases = spread_phases(lambda: decode_here(index, [data], whole=False, on_device=True), repeats,
                                      device, device_decode.phases)
     waits = device_decode.host_waits()
     patches = decode_here(index, [data], whole=False, on_device=True)
     waits = device_decode.host_waits() - waits
     t_apply = spread(lambda: (write_patches(index, patches), check_written(index, patches)), repeats, device)
-    exact = all(torch.equal(index.targets[n][0].param.data.view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
+    exact = all(torch.equal(from_start(index.targets[n][0].param.data, index.targets[n][0].whole_start() or 0)
+                            [: t.numel()].view(torch.int16), t.to(torch.bfloat16).view(-1).view(torch.int16))
                 for n, t in masters.items())
     return t_decode, phases, waits, t_apply, exact
 
@@ -442,9 +445,28 @@ def apply_floors(
     return t_copy, t_put, t_with_copy
 
 
-def rank_map(weights: dict[str, torch.Tensor]) -> IndexMap:
-    """The index map of a vLLM rank that holds every tensor whole, each in a parameter of its own."""
-    return IndexMap.whole({name: torch.nn.Parameter(tensor, requires_grad=False) for name, tensor in weights.items()})
+def rank_map(weights: dict[str, torch.Tensor], fused: int = 1) -> IndexMap:
+    """The index map of a vLLM rank that holds every tensor whole: each in a parameter of its own, or (1-D
+    tensors, ``fused`` > 1) stacked ``fused`` to a parameter, each at a flat range of its own, as an engine fuses
+    a Mixture-of-Experts layer's experts. Two parameters take turns over each run of ``2 * fused`` tensors in
+    the file's order, so that neither's tensors lie side by side in the file, as a checkpoint lists an
+    expert's ``gate_proj`` and ``up_proj`` (one fused parameter) then its ``down_proj`` (another), expert
+    after expert."""
+    if fused <= 1:
+        return IndexMap.whole({name: torch.nn.Parameter(t, requires_grad=False) for name, t in weights.items()})
+    index = IndexMap(TensorSpec.of(name, t) for name, t in weights.items())
+    groups: dict[int, list[str]] = {}
+    for i, name in enumerate(weights):
+        groups.setdefault(i // (2 * fused) * 2 + i % 2, []).append(name)
+    for number, group in groups.items():
+        param = torch.nn.Parameter(torch.cat([weights[n] for n in group]), requires_grad=False)
+        at = 0
+        for name in group:
+            size = weights[name].numel()
+            index.targets[name].append(Target(param, f"experts.{number}.weight", (size,), lo=(0,), hi=(size,),
+                                              offset=(at,), flat=(0, size, at)))
+            at += size
+    return index
 
 
 def floor_diff(model: Model, snapshot: Snapshot) -> None:
@@ -628,7 +650,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with one_core():
             t_floor_decode_one = spread(floor_decode, args.repeats, device)
         t_rank_decode, rank_phases, rank_waits, t_rank_apply, rank_exact = rank_stage(
-            decoder.state(), data, model.masters, args.repeats, device)
+            decoder.state(), data, model.masters, args.repeats, device, args.fused)
         t_apply = spread(lambda: decoder.apply(patches), args.repeats, device)
         if profiles:  # after its timed runs: the decode above left the replica as it was
             profile_stage("apply", lambda: decoder.apply(patches), device, profiles)
@@ -711,6 +733,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "params": numel,
         "tensors": len(model.masters),
+        "fused": args.fused,
         "density": nnz / numel if args.checkpoints else args.density,
         "checkpoints": args.checkpoints,
         "changes": nnz,
@@ -737,10 +760,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--checkpoints", nargs="+", metavar="PATH",
                         help="a real run instead of the synthetic model: safetensors files (or directories of "
                              "them) of consecutive steps, at least --repeats + 2 for every whole-update round")
+    parser.add_argument("--fused", type=int, default=1, metavar="N",
+                        help="the vLLM rank's map stacks N tensors to a parameter, as an engine fuses a "
+                             "Mixture-of-Experts layer's experts (default 1: a parameter each; not with "
+                             "--checkpoints)")
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one more diff, decode, apply and whole update each (torch's profiler, "
                              "with the device's kernels on a GPU, and cProfile): tables and traces in DIR")
     args = parser.parse_args(argv)
+    if args.fused < 1 or (args.fused > 1 and args.checkpoints):
+        parser.error("--fused takes a positive N, and stacks the synthetic model's tensors (not --checkpoints)")
     if args.quick:
         args.params, args.repeats = 8e6, 3
     load = os.getloadavg()
@@ -750,6 +779,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = f"device_sync_{device}_checkpoints" if args.checkpoints else f"device_sync_{device}"
     if not args.checkpoints and args.tensors != TENSORS:  # a model of other tensors keeps results of its own
         name += f"_{args.tensors}_tensors"
+    if args.fused > 1:
+        name += f"_fused_{args.fused}"
     path = write_json(name, result, results_dir(args.quick, args.out))
     rows = []
     for stage, row in result["stages"].items():

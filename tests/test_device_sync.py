@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "device_sync.py"), "--quick", "--out", str(tmp_path),
-         "--profile", str(tmp_path / "profiles")],
+         "--profile", str(tmp_path / "profiles"), "--fused", "16"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "device_sync_cpu.json").read_text())
-    assert result["exact"] and result["device"] == "cpu"
+    result = json.loads((tmp_path / "device_sync_cpu_fused_16.json").read_text())
+    # exact, the vLLM rank's tensors included: 16 to a parameter, not side by side in the file's order
+    assert result["exact"] and result["device"] == "cpu" and result["fused"] == 16
     assert set(result["stages"]) == {
         "anchor publish", "anchor publish, periodic", "anchor load", "anchor load, copied", "anchor publish, one part",
         "anchor publish, periodic, one part", "anchor load, one part", "anchor load, copied, one part",

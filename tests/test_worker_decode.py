@@ -236,22 +236,23 @@ def test_a_rank_reads_each_base_straight_into_the_batch() -> None:
 
 
 def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """40 checkpoint tensors stacked in one runtime parameter (a layer's experts): each base is read where its
-    tensor lies, their changes go in one scatter (one kernel on a GPU instead of 40), each exactly where the map
-    puts it."""
+    """40 checkpoint tensors stacked in one runtime parameter (a layer's experts): their bases are read with one
+    gather, their changes go in one scatter and are read back with one gather (one kernel each on a GPU instead
+    of 40), each exactly where the map puts it."""
     from deltasync.appliers import mapping
     from tests.dispatch_helpers import recorded_ops
 
     old = _many(40)
     new = _step(old)
-    index, fused = _fused(old, "cpu")
+    index, (fused,) = _fused(old, "cpu")
     scatters = []
     real = mapping._write_bits
     monkeypatch.setattr(mapping, "_write_bits", lambda *args: (scatters.append(args[1].numel()), real(*args)))
     data = _delta(old, new)
-    with recorded_ops() as ops:  # each base read where its tensor lies in the parameter: no index shifted first
+    with recorded_ops() as ops:  # all 40 bases with one gather, each tensor's indices shifted by one lookup
         patches = decode_here(index, [data], whole=False, on_device=True)
-    assert ops.count("aten.index_select") == 40 and ops.count("aten.add") == 2  # 41 when each index was shifted
+    assert ops.count("aten.index_select") == 1  # 40 before, one a tensor
+    assert ops.count("aten.add") + ops.count("aten.add_") == 4  # the decode's three and the one shift for all
     with recorded_ops() as ops:  # and every tensor's indices shifted to its place by one lookup, not 40 adds
         written, touched = write_patches(index, patches)
     assert ops.count("aten.add") + ops.count("aten.add_") == 1
@@ -265,11 +266,11 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
     fused.data.view(torch.int16).view(-1)[victim.indices + 7 * 64 * 32] += 1  # none of its writes landed
     n = victim.indices.numel()
     assert check_written(index, patches, samples=10_000)[1] == [
-        {"tensor": "layer7.weight", "param": "experts.weight", "wrong": n, "read": n}]
+        {"tensor": "layer7.weight", "param": "experts.0.weight", "wrong": n, "read": n}]
     with recorded_ops() as ops:  # sampled: each tensor's draw, then still one gather for the parameter
         checked, wrong = check_written(index, patches, samples=100)
     assert checked == 40 * 100 and wrong == [
-        {"tensor": "layer7.weight", "param": "experts.weight", "wrong": 100, "read": 100}]
+        {"tensor": "layer7.weight", "param": "experts.0.weight", "wrong": 100, "read": 100}]
     assert ops.count("aten.index_select") == 2 * 40 + 1
 
 
@@ -365,16 +366,24 @@ def _sync_warnings() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _fused(weights: dict[str, torch.Tensor], device: str) -> tuple[IndexMap, torch.nn.Parameter]:
-    """Every tensor of ``weights`` (each ``[64, 32]``) stacked in one runtime parameter on ``device``, in order
-    (a layer's fused experts)."""
+def _fused(
+    weights: dict[str, torch.Tensor], device: str, params: int = 1
+) -> tuple[IndexMap, list[torch.nn.Parameter]]:
+    """Every tensor of ``weights`` (each ``[64, 32]``) stacked in a runtime parameter on ``device`` (a layer's
+    fused experts): with ``params`` > 1, tensor ``i`` in parameter ``i % params``, so that the parameters take
+    turns in the file's order, as an expert's ``gate_proj`` and ``up_proj`` (one parameter) and its
+    ``down_proj`` (another) do in a checkpoint."""
     specs = [TensorSpec.of(name, tensor) for name, tensor in weights.items()]
-    fused = torch.nn.Parameter(torch.cat(list(weights.values())).to(device), requires_grad=False)
+    names = list(weights)
+    stacked = [torch.nn.Parameter(torch.cat([weights[n] for n in names[p::params]]).to(device), requires_grad=False)
+               for p in range(params)]
     index = IndexMap(specs)
     for i, spec in enumerate(specs):
-        index.targets[spec.name].append(Target(fused, "experts.weight", spec.shape, lo=(0, 0), hi=spec.shape,
-                                               offset=(64 * i, 0), flat=(0, spec.numel, spec.numel * i)))
-    return index, fused
+        row = i // params
+        index.targets[spec.name].append(Target(stacked[i % params], f"experts.{i % params}.weight", spec.shape,
+                                               lo=(0, 0), hi=spec.shape, offset=(64 * row, 0),
+                                               flat=(0, spec.numel, spec.numel * row)))
+    return index, stacked
 
 
 @pytest.mark.cuda
@@ -403,38 +412,49 @@ def test_a_rank_on_cuda_rebuilds_writes_and_reads_back_on_the_device_waiting_as_
     assert syncs[0] == syncs[1], syncs
 
 
+@pytest.mark.parametrize("params", [1, 2], ids=["in-a-row", "taking-turns"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_a_rank_writes_a_fused_parameter_s_tensors_on_the_device_path_exactly_waiting_as_often_for_40_as_for_4(
-    device: str,
+def test_a_rank_writes_fused_parameters_tensors_on_the_device_path_exactly_waiting_as_often_for_40_as_for_4(
+    device: str, params: int
 ) -> None:
-    """A layer's experts stacked in one parameter where the weights live: 4 tensors take a gather and a shift
-    each, 40 the joined paths (one lookup of their offsets, one scatter, one read-back gather); both land
-    exactly, a missed write is still named, and on a GPU neither waits for it more often than the other."""
+    """A layer's experts stacked in one parameter, or two taking turns in the file's order, where the weights
+    live: 4 tensors take a gather and a shift each, 40 the joined paths (one gather for each parameter's bases,
+    one scatter, one read-back gather); all land exactly, a missed write is still named, and on a GPU neither
+    waits for it more often than the other."""
     import warnings
+
+    from tests.dispatch_helpers import recorded_ops
 
     syncs = []
     for count in (4, 40):
         old = _many(count)
         new = _step(old)
-        index, fused = _fused(old, device)
+        index, stacked = _fused(old, device, params)
         data = _delta(old, new)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, recorded_ops() as ops:
             warnings.simplefilter("always")
             with _sync_warnings() if device == "cuda" else contextlib.nullcontext():
                 patches = decode_here(index, [data], whole=False, on_device=True)
                 written, touched = write_patches(index, patches)
-                checked, wrong = check_written(index, patches, samples=100)
+                checked, wrong = check_written(index, patches, samples=10_000)  # all of them: no draw
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-        assert wrong == [] and checked > 0 and touched == [fused] and written > 0
+        if count == 40:  # each parameter's bases read in one gather (placed by one copy where they take turns),
+            assert ops.count("aten.index_select") == 2 * params  # and read back in one
+            assert ops.count("aten.index_copy_") == (params if params > 1 else 0)
+        assert wrong == [] and checked > 0 and written > 0 and {id(p) for p in touched} == {id(p) for p in stacked}
         assert all(p.indices is not None and p.indices.device.type == device for p in patches)
-        assert torch.equal(fused.data.cpu().view(torch.int16), torch.cat(list(new.values())).view(torch.int16))
+        names = list(new)
+        for p, param in enumerate(stacked):
+            expected = torch.cat([new[n] for n in names[p::params]]).view(torch.int16)
+            assert torch.equal(param.data.cpu().view(torch.int16), expected), p
         victim = next(p for p in patches if p.name == f"layer{count - 1}.weight")
-        shift = (count - 1) * 64 * 32
-        fused.data.view(torch.int16).view(-1)[victim.indices + shift] += 1  # none of its writes landed
+        param, start = index.in_place(victim.name)  # type: ignore[misc]
+        from_start = param.param.data.view(torch.int16).view(-1)[start:]
+        from_start[victim.indices] += 1  # none of its writes landed
         n = victim.indices.numel()
         assert check_written(index, patches, samples=10_000)[1] == [
-            {"tensor": victim.name, "param": "experts.weight", "wrong": n, "read": n}]
+            {"tensor": victim.name, "param": param.param_name, "wrong": n, "read": n}]
     assert syncs[0] == syncs[1], syncs
 
 

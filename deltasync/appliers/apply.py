@@ -51,6 +51,7 @@ __all__ = [
     "read_through",
     "read_masked",
     "shifted",
+    "gather_pieces",
     "SHIFT_TOGETHER",
     "checked_indices",
     "bits_numpy_dtype",
@@ -215,6 +216,28 @@ def shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     sizes, shifts = stage([torch.tensor([[len(i), shift] for i, shift in pieces], dtype=torch.int64)],
                           joined.device)[0].unbind(1)
     return joined.add_(shifts[segment_owners(sizes, joined.numel())])
+
+
+def gather_pieces(flat: torch.Tensor, pieces: Sequence[tuple[torch.Tensor, int, int]], out: torch.Tensor) -> None:
+    """Several tensors' reads of one parameter in one gather: for each piece ``(indices, shift, place)``,
+    ``flat[indices + shift]`` lands in ``out`` from ``place`` on. Each element's shift and place are looked up
+    by its piece (about ten ops for all the pieces); pieces whose places follow each other in order are read
+    straight into ``out``."""
+    joined = torch.cat([indices for indices, _, _ in pieces])
+    rows, at = [], pieces[0][2]
+    for indices, shift, place in pieces:
+        rows.append((len(indices), shift, place - at))  # where it lands, against where it would in a row
+        at += len(indices)
+    in_a_row = not any(move for _, _, move in rows)
+    sizes, shifts, moves = stage([torch.tensor(rows, dtype=torch.int64)], joined.device)[0].unbind(1)
+    owner = segment_owners(sizes, joined.numel())
+    runtime = joined.add_(shifts[owner])
+    first = pieces[0][2]
+    if in_a_row:
+        torch.index_select(flat, 0, runtime, out=out[first : first + joined.numel()])
+        return
+    places = torch.arange(first, first + joined.numel(), device=out.device).add_(moves[owner])
+    out.index_copy_(0, places, flat.index_select(0, runtime))
 
 
 def _disjoint(targets: Sequence[Target]) -> bool:

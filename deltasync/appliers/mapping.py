@@ -418,6 +418,17 @@ class IndexMap:
             return None
         return data.view(-1)[shift : shift + numel].view(bits_dtype(data.dtype)).numpy()
 
+    def in_place(self, name: str) -> tuple[Target, int] | None:
+        """Tensor ``name``'s one target and the runtime flat index it starts at, where this rank holds it
+        whole at one flat range of a contiguous plain parameter and nowhere else (a tensor of its own, a layer's
+        fused experts, q/k/v): read and written there by its own flat indices (:func:`from_start`), or with
+        the start added to them. Else ``None``."""
+        targets = self.targets.get(name)
+        if not targets or len(targets) != 1 or targets[0].layout is not PLAIN:
+            return None
+        start = targets[0].whole_start()
+        return (targets[0], start) if start is not None and targets[0].param.is_contiguous() else None
+
     def owned(self) -> dict[str, list[Any]]:
         """Per checkpoint tensor, what each target covers (:meth:`Target.describe`)."""
         return {name: [t.describe() for t in ts] for name, ts in self.targets.items()}

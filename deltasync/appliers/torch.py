@@ -13,7 +13,7 @@ may be non-contiguous views (transposed, sliced): flat indices are logical
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +122,12 @@ class TorchModuleApplier:
             picked = tensor[torch.unravel_index(index, tensor.shape)]
         bits = bits_view(picked.to(published))
         return bits if out is None else out.copy_(bits)
+
+    def gather_into(self, requests: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor) -> None:
+        """:meth:`gather` of each ``(name, index)`` request into its place in ``out``, in order (the device
+        path's read of a batch's bases)."""
+        for (name, index), place in zip(requests, out.split([index.numel() for _, index in requests])):
+            self.gather(name, index, place)
 
     def _held(self, name: str) -> torch.Tensor:
         """Tensor ``name``, detached; a name this receiver does not hold is a typed refusal (a file decoded

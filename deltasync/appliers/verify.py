@@ -299,12 +299,9 @@ def _fused_reads(
         return {}
     groups: dict[tuple[int, torch.dtype], list[tuple[Patch, Target, int]]] = {}
     for patch in patches:
-        targets = index.targets[patch.name]
-        if patch.indices is None or not patch.indices.numel() or len(targets) != 1 or targets[0].layout is not PLAIN:
-            continue
-        start, data = targets[0].whole_start(), targets[0].param.data
-        if start is not None and data.is_contiguous() and data.device == patch.indices.device:
-            groups.setdefault((id(targets[0].param), patch.spec.torch_dtype), []).append((patch, targets[0], start))
+        placed = index.in_place(patch.name) if patch.indices is not None and patch.indices.numel() else None
+        if placed is not None and placed[0].param.device == patch.indices.device:  # type: ignore[union-attr]
+            groups.setdefault((id(placed[0].param), patch.spec.torch_dtype), []).append((patch, *placed))
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for (_, published), members in groups.items():
         if len(members) < SHIFT_TOGETHER:

@@ -27,6 +27,7 @@ the others through the map.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +41,8 @@ from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
 from ..tensors import bits_dtype, bits_view, host_ints, stage
-from .apply import Patch, merge_bits, plan_patches, read_bits, read_masked
-from .mapping import PLAIN, IndexMap, from_start
+from .apply import SHIFT_TOGETHER, Patch, gather_pieces, merge_bits, plan_patches, read_bits, read_masked
+from .mapping import IndexMap, from_start
 from .wire import patch_parts
 
 __all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "refusal_from_json", "warm_decoder"]
@@ -146,13 +147,10 @@ class MapReader:
         ``out`` where given)."""
         published = self._index.specs[name].torch_dtype
         device = self.device_of(name)
-        targets = self._index.targets[name]
-        if out is not None and len(targets) == 1 and targets[0].layout is PLAIN:  # the rule: one read, into ``out``
-            data = targets[0].param.data
-            start = targets[0].whole_start()
-            if (start is not None and data.dtype == published and data.is_contiguous()
-                    and index.device == out.device == data.device):  # read where it lies: no index shifted
-                return torch.index_select(from_start(bits_view(data), start), 0, index, out=out)
+        placed = self._in_place(name, out) if out is not None else None
+        if placed is not None and index.device == out.device:  # the rule: one read where it lies, into ``out``
+            param, start = placed
+            return torch.index_select(from_start(bits_view(param.data), start), 0, index, out=out)
         bits: torch.Tensor | None = None
         held: torch.Tensor | None = None  # None: every element (some target holds all of them)
         for target in self._index.targets[name]:
@@ -168,6 +166,47 @@ class MapReader:
         if held is not None:
             self._missing.append((name, (~held).sum()))
         return bits if out is None else out.copy_(bits)
+
+    def gather_into(self, requests: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor) -> None:
+        """Bits of each ``(name, index)`` request's tensor at its checkpoint flat indices (in bounds), side by
+        side in ``out`` in order (the device path's read of a batch's bases).
+
+        Where :data:`~.apply.SHIFT_TOGETHER` or more of the tensors lie whole in one plain parameter (a layer's
+        fused experts), theirs are read with one gather for the lot (:func:`~.apply.gather_pieces`: about ten
+        ops a parameter instead of one a tensor), landing in their places in ``out`` even where they are not
+        side by side there (a checkpoint lists an expert's ``gate_proj`` and ``up_proj``, fused into one
+        parameter, then its ``down_proj``, fused into another, expert after expert). The others are read by
+        :meth:`gather`, each into its place.
+        """
+        sizes = [index.numel() for _, index in requests]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        held = [self._in_place(name, out) for name, _ in requests]
+        groups: dict[int, list[int]] = {}
+        for k, placed in enumerate(held):
+            if placed is not None:
+                groups.setdefault(id(placed[0]), []).append(k)
+        alone = set(range(len(requests)))
+        for members in groups.values():
+            if len(members) < SHIFT_TOGETHER:
+                continue
+            alone.difference_update(members)
+            flat = bits_view(held[members[0]][0].data).view(-1)  # type: ignore[index]
+            gather_pieces(flat, [(requests[k][1], held[k][1], starts[k]) for k in members], out)  # type: ignore[index]
+        places = out.split(sizes) if alone else ()
+        for k in sorted(alone):
+            self.gather(*requests[k], out=places[k])
+
+    def _in_place(self, name: str, out: torch.Tensor) -> tuple[torch.nn.Parameter, int] | None:
+        """The parameter that alone holds tensor ``name`` whole at one flat range
+        (:meth:`~.mapping.IndexMap.in_place`) and where the tensor starts there, where its bits can be read
+        straight into ``out`` (the published dtype, on ``out``'s device); else ``None``."""
+        placed = self._index.in_place(name)
+        if placed is None:
+            return None
+        param = placed[0].param
+        if param.dtype != self._index.specs[name].torch_dtype or param.device != out.device:
+            return None
+        return param, placed[1]
 
     def check_held(self) -> None:
         """Refuse if some read asked for an element this rank does not hold.
