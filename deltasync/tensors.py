@@ -258,18 +258,28 @@ def settle(devices: Iterable[torch.device]) -> None:
                 backend.synchronize()
 
 
-def host_ints(values: Sequence[torch.Tensor | int]) -> list[int]:
-    """``values`` as Python ints: one-element tensors (counts left on a device) copied back together, one
-    copy per device instead of a wait each; ints pass through."""
+def host_ints(values: Sequence[torch.Tensor | int], lists: Sequence[torch.Tensor] = ()) -> list[int]:
+    """``values`` as Python ints, then every element of each integer tensor of ``lists`` in turn: counts left
+    on a device (one-element tensors among ``values``, any number in each of ``lists``) copied back together,
+    one copy per device instead of a wait each; ints pass through."""
     out = [v if isinstance(v, int) else 0 for v in values]
+    tail: list[list[int]] = [[] for _ in lists]
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for k, value in enumerate(values):
         if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append((k, value))
+            by_device.setdefault(value.device, []).append((k, value.reshape(1)))
+    for j, tensor in enumerate(lists):
+        by_device.setdefault(tensor.device, []).append((~j, tensor.reshape(-1)))
     for items in by_device.values():
-        for (k, _), got in zip(items, torch.stack([v.reshape(()) for _, v in items]).tolist()):
-            out[k] = int(got)
-    return out
+        got = torch.cat([v for _, v in items]).tolist()
+        at = 0
+        for k, v in items:
+            if k >= 0:
+                out[k] = int(got[at])
+            else:
+                tail[~k] = got[at : at + v.numel()]
+            at += v.numel()
+    return out + [n for part in tail for n in part]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1199,3 +1199,18 @@ def test_segment_sums_match_per_segment_sums(counts: list[int], seed: int) -> No
                        torch.tensor([int((part > 0).sum()) for part in values.split(counts)], dtype=torch.int64))
     with pytest.raises(ValueError, match="1-D"):
         segment_sums(values.view(-1, 1), sizes)
+
+
+def test_host_ints_reads_counts_and_lists_back_in_order_one_copy_per_device() -> None:
+    """Ints pass through, one-element tensors become ints, and each tensor of ``lists`` follows with all of its
+    elements, in order: what a read-back gathers from the device in one copy."""
+    from deltasync.tensors import host_ints
+    from tests.dispatch_helpers import recorded_ops
+
+    values = [3, torch.tensor(7), torch.tensor([9]), 0, torch.tensor(-2)]
+    lists = [torch.tensor([1, 2, 3]), torch.zeros(0, dtype=torch.int64), torch.tensor([[4], [5]])]
+    with recorded_ops() as ops:
+        got = host_ints(values, lists)
+    assert got == [3, 7, 9, 0, -2, 1, 2, 3, 4, 5]
+    assert ops.count("aten.cat") == 1  # one buffer for the device, copied back once
+    assert host_ints([1, 2]) == [1, 2] and host_ints([], [torch.tensor([6])]) == [6]

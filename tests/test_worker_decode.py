@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -267,11 +268,21 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
     n = victim.indices.numel()
     assert check_written(index, patches, samples=10_000)[1] == [
         {"tensor": "layer7.weight", "param": "experts.0.weight", "wrong": n, "read": n}]
-    with recorded_ops() as ops:  # sampled: each tensor's draw, then still one gather for the parameter
+    with recorded_ops() as ops:  # sampled: the 40 draws taken from the decode's buffers together, then read
         checked, wrong = check_written(index, patches, samples=100)
     assert checked == 40 * 100 and wrong == [
         {"tensor": "layer7.weight", "param": "experts.0.weight", "wrong": 100, "read": 100}]
+    assert ops.count("aten.index_select") == 4  # the draws' rows, their indices, their values, the parameter
+    as_host = [dataclasses.replace(p, indices=p.indices.clone(), values=p.values.clone()) for p in patches]
+    with recorded_ops() as ops:  # patches of buffers of their own (decoded on the host): a draw's two a tensor
+        assert check_written(index, as_host, samples=100) == (checked, wrong)
     assert ops.count("aten.index_select") == 2 * 40 + 1
+    for name, shift in (("layer20.weight", 20 * 64 * 32), ("layer31.weight", 31 * 64 * 32)):  # a few wrong
+        patch = next(p for p in patches if p.name == name)
+        fused.data.view(torch.int16).view(-1)[patch.indices[::37] + shift] += 1
+    for seed in range(5):  # whichever positions are drawn, both ways see the same
+        joined = check_written(index, patches, samples=100, seed=seed)
+        assert joined == check_written(index, as_host, samples=100, seed=seed) and len(joined[1]) >= 1
 
 
 def test_tensors_tied_to_one_place_are_written_one_after_another() -> None:
@@ -420,8 +431,8 @@ def test_a_rank_writes_fused_parameters_tensors_on_the_device_path_exactly_waiti
 ) -> None:
     """A layer's experts stacked in one parameter, or two taking turns in the file's order, where the weights
     live: 4 tensors take a gather and a shift each, 40 the joined paths (one gather for each parameter's bases,
-    one scatter, one read-back gather); all land exactly, a missed write is still named, and on a GPU neither
-    waits for it more often than the other."""
+    one scatter, one read-back gather, their drawn samples taken together); all land exactly, a missed write is
+    still named, and on a GPU neither waits for it more often than the other."""
     import warnings
 
     from tests.dispatch_helpers import recorded_ops
@@ -438,9 +449,13 @@ def test_a_rank_writes_fused_parameters_tensors_on_the_device_path_exactly_waiti
                 patches = decode_here(index, [data], whole=False, on_device=True)
                 written, touched = write_patches(index, patches)
                 checked, wrong = check_written(index, patches, samples=10_000)  # all of them: no draw
+                with recorded_ops() as drawn_ops:
+                    drawn = check_written(index, patches)  # 256 of each tensor's 409 changes, drawn
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        assert drawn == (256 * count, [])
         if count == 40:  # each parameter's bases read in one gather (placed by one copy where they take turns),
-            assert ops.count("aten.index_select") == 2 * params  # and read back in one
+            assert drawn_ops.count("aten.index_select") == 4 * params  # draws taken together, read together
+            assert ops.count("aten.index_select") - 4 * params == 2 * params  # and read back whole in one
             assert ops.count("aten.index_copy_") == (params if params > 1 else 0)
         assert wrong == [] and checked > 0 and written > 0 and {id(p) for p in touched} == {id(p) for p in stacked}
         assert all(p.indices is not None and p.indices.device.type == device for p in patches)

@@ -220,17 +220,20 @@ def check_written(
         back wrong: ``{"tensor", "param", "wrong", "read"}`` (JSON-able, for the RPC answer).
     """
     sampled = [p for p in patches if p.indices is not None and 0 < samples < p.indices.numel()]
-    picks = _picks(sampled, samples, torch.Generator().manual_seed(seed))
+    picks = _Picks.draw(sampled, samples, torch.Generator().manual_seed(seed))
     # Counted where the weights live and copied back once per device: no host wait per tensor.
     rows: list[tuple[str, str, torch.Tensor | int, torch.Tensor | int]] = []  # tensor, param, wrong, read
-    compared: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    fused = _fused_reads(index, patches, samples, picks)
+    # Reads compared all at once per device and width: (their rows, bits read, bits written, elements per row).
+    compared: dict[tuple[torch.device, torch.dtype], list[tuple[list[int], torch.Tensor, torch.Tensor, list[int]]]]
+    compared = {}
+    joined, fused = _fused_reads(index, patches, samples, picks)
+    for members, got, values, sizes in joined:  # a parameter's tensors, read together
+        first = len(rows)
+        rows.extend((patch.name, index.targets[patch.name][0].param_name, 0, n) for patch, n in zip(members, sizes))
+        compared.setdefault((got.device, got.dtype), []).append((list(range(first, len(rows))), got, values, sizes))
     for patch in patches:
         idx: torch.Tensor | None
-        if id(patch) in fused:  # read with the other tensors of its parameter
-            got, values = fused[id(patch)]
-            compared.setdefault((got.device, got.dtype), []).append((len(rows), got, values))
-            rows.append((patch.name, index.targets[patch.name][0].param_name, 0, got.numel()))
+        if id(patch) in fused:  # read with the other tensors of its parameter, above
             continue
         if patch.indices is None:
             idx, values = None, patch.values  # every element: made only for a target read by index
@@ -257,18 +260,23 @@ def check_written(
             owned, got = read_masked(target, idx, patch.spec.torch_dtype)
             values = values.to(got.device)
             if owned is None:  # compared below with every other such read of its device and width, at once
-                compared.setdefault((got.device, got.dtype), []).append((len(rows), got, values))
+                compared.setdefault((got.device, got.dtype), []).append(([len(rows)], got, values, [got.numel()]))
                 rows.append((patch.name, target.param_name, 0, got.numel()))
             else:
                 owned = owned.to(got.device)
                 rows.append((patch.name, target.param_name, ((got != values) & owned).sum(), owned.sum()))
+    sums: list[tuple[list[int], torch.Tensor]] = []  # per device and width: its rows, and their mismatches
     for (device, _), reads in compared.items():  # one compare and one sum per device and width
-        lengths = stage([torch.tensor([got.numel() for _, got, _ in reads])], device)[0]
-        differs = torch.cat([got for _, got, _ in reads]) != torch.cat([values for _, _, values in reads])
-        for (row, _, _), bad in zip(reads, segment_sums(differs, lengths)):
-            name, param, _, read = rows[row]
-            rows[row] = (name, param, bad, read)
-    counts = host_ints([count for _, _, bad, read in rows for count in (bad, read)])
+        lengths = stage([torch.tensor([n for _, _, _, sizes in reads for n in sizes])], device)[0]
+        differs = torch.cat([got for _, got, _, _ in reads]) != torch.cat([values for _, _, values, _ in reads])
+        sums.append(([row for members, _, _, _ in reads for row in members], segment_sums(differs, lengths)))
+    counts = host_ints([count for _, _, bad, read in rows for count in (bad, read)], [bad for _, bad in sums])
+    at = 2 * len(rows)  # the sums' counts follow the rows' own
+    for members, _ in sums:
+        for row, n in zip(members, counts[at : at + len(members)]):
+            counts[2 * row] = n
+        at += len(members)
+    del counts[2 * len(rows) :]
     wrong: list[dict[str, object]] = []
     checked = 0
     for (name, param, _, _), bad, read in zip(rows, counts[::2], counts[1::2]):
@@ -278,60 +286,118 @@ def check_written(
     return checked, wrong
 
 
-def _sample(patch: Patch, samples: int, picks: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indices and bits of a sparse patch to read back: its drawn ``picks`` (:func:`_picks`), or all of
-    them for a patch of at most ``samples`` changes."""
+@dataclass(frozen=True, slots=True)
+class _Picks:
+    """Random positions among the changes of the sparse patches a read-back samples: per device, one table of
+    a row per patch, drawn together on the host and copied once per device (a small copy from pageable memory
+    per tensor would make a GPU's host wait for everything queued before it, once per tensor)."""
+
+    tables: dict[torch.device, torch.Tensor]
+    """Per device, ``(patches, samples)`` int64 positions (row ``r``'s within that patch's changes)."""
+    rows: dict[int, int]
+    """``id(patch)`` -> its row in its device's table."""
+
+    @classmethod
+    def draw(cls, patches: Sequence[Patch], samples: int, generator: torch.Generator) -> _Picks:
+        """``samples`` positions among each of ``patches``' changes (each has more than ``samples``)."""
+        if not patches:
+            return cls({}, {})
+        draw = torch.rand((len(patches), samples), generator=generator, dtype=torch.float64)  # in [0, 1)
+        sizes = torch.tensor([p.indices.numel() for p in patches if p.indices is not None], dtype=torch.float64)
+        positions = draw.mul_(sizes[:, None]).long()  # in [0, changes)
+        by_device: dict[torch.device, list[int]] = {}
+        for k, patch in enumerate(patches):
+            assert patch.indices is not None
+            by_device.setdefault(patch.indices.device, []).append(k)
+        tables, rows = {}, {}
+        for device, members in by_device.items():
+            tables[device] = stage([positions[members] if len(members) < len(patches) else positions], device)[0]
+            rows.update((id(patches[k]), row) for row, k in enumerate(members))
+        return cls(tables, rows)
+
+    def of(self, patch: Patch) -> torch.Tensor:
+        """``patch``'s positions (int64, on its device)."""
+        assert patch.indices is not None
+        return self.tables[patch.indices.device][self.rows[id(patch)]]
+
+
+def _sample(patch: Patch, samples: int, picks: _Picks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and bits of a sparse patch to read back: its drawn ``picks``, or all of them for a patch of
+    at most ``samples`` changes."""
     assert patch.indices is not None
     if patch.indices.numel() <= samples:
         return patch.indices, patch.values
-    pick = picks[id(patch)]
+    pick = picks.of(patch)
     return patch.indices.index_select(0, pick), patch.values.index_select(0, pick)  # 2x faster than `[pick]`
 
 
 def _fused_reads(
-    index: IndexMap, patches: Sequence[Patch], samples: int, picks: Mapping[int, torch.Tensor]
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    index: IndexMap, patches: Sequence[Patch], samples: int, picks: _Picks
+) -> tuple[list[tuple[list[Patch], torch.Tensor, torch.Tensor, list[int]]], set[int]]:
     """The read-backs of sparse patches whose one target is a plain parameter holding their tensor whole at a
     flat range of its own, where :data:`~.apply.SHIFT_TOGETHER` or more of them share the parameter (a layer's
-    fused experts): each tensor's sampled indices shifted to its place by one lookup for all, and read with
-    one gather instead of one a tensor. ``id(patch)`` -> (bits read back, bits written there)."""
+    fused experts), read with one gather for the parameter instead of one a tensor: each tensor's positions
+    shifted to its place by one lookup for all. The positions drawn for sampled patches are taken from their
+    indices and values with one gather each where those lie in one buffer each (the device path's patches:
+    slices of one batch's results), instead of two a tensor. Returns, per such read, (its patches, the bits
+    read back, the bits written there, how many of them are each patch's, in turn), and the ``id`` of every
+    patch read so."""
     if samples <= 0:
-        return {}
-    groups: dict[tuple[int, torch.dtype], list[tuple[Patch, Target, int]]] = {}
+        return [], set()
+    groups: dict[tuple[int, torch.dtype, bool], list[tuple[Patch, Target, int]]] = {}
     for patch in patches:
         placed = index.in_place(patch.name) if patch.indices is not None and patch.indices.numel() else None
         if placed is not None and placed[0].param.device == patch.indices.device:  # type: ignore[union-attr]
-            groups.setdefault((id(placed[0].param), patch.spec.torch_dtype), []).append((patch, *placed))
-    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for (_, published), members in groups.items():
+            drawn = patch.indices.numel() > samples  # type: ignore[union-attr]
+            groups.setdefault((id(placed[0].param), patch.spec.torch_dtype, drawn), []).append((patch, *placed))
+    out, done = [], set()
+    for (_, published, drawn), members in groups.items():
         if len(members) < SHIFT_TOGETHER:
             continue
-        chosen = [_sample(patch, samples, picks) for patch, _, _ in members]
-        runtime = shifted([(idx, shift) for (idx, _), (_, _, shift) in zip(chosen, members)])
+        group = [patch for patch, _, _ in members]
+        chosen = _sampled_together(group, [shift for _, _, shift in members], picks) if drawn else None
+        if chosen is not None:
+            (runtime, values), sizes = chosen, [samples] * len(group)
+        else:  # each patch's own positions (all its changes, or its draw), joined
+            taken = [_sample(patch, samples, picks) for patch in group]
+            runtime = shifted([(idx, shift) for (idx, _), (_, _, shift) in zip(taken, members)])
+            values, sizes = torch.cat([v for _, v in taken]), [len(idx) for idx, _ in taken]
         got = PLAIN.read(members[0][1].param.data, runtime, published)
-        for (patch, _, _), (idx, values), piece in zip(members, chosen, got.split([len(i) for i, _ in chosen])):
-            out[id(patch)] = (piece, values.to(piece.device))
-    return out
+        out.append((group, got, values.to(got.device), sizes))
+        done.update(id(patch) for patch in group)
+    return out, done
 
 
-def _picks(patches: Sequence[Patch], samples: int, generator: torch.Generator) -> dict[int, torch.Tensor]:
-    """``samples`` random positions among each patch's changes (``id(patch)`` -> int64 on its device), drawn
-    together on the host and copied once per device: a small copy from pageable memory per tensor would
-    make a GPU's host wait for everything queued before it, once per tensor."""
-    if not patches:
-        return {}
-    draw = torch.rand((len(patches), samples), generator=generator, dtype=torch.float64)  # in [0, 1)
-    sizes = torch.tensor([p.indices.numel() for p in patches if p.indices is not None], dtype=torch.float64)
-    rows = draw.mul_(sizes[:, None]).long()  # in [0, changes)
-    by_device: dict[torch.device, list[int]] = {}
-    for k, patch in enumerate(patches):
-        assert patch.indices is not None
-        by_device.setdefault(patch.indices.device, []).append(k)
-    out = {}
-    for device, members in by_device.items():
-        there = stage([rows[members] if len(members) < len(patches) else rows], device)[0]
-        out.update({id(patches[k]): row for k, row in zip(members, there)})
-    return out
+def _sampled_together(
+    patches: Sequence[Patch], shifts: Sequence[int], picks: _Picks
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each patch's drawn positions taken from its indices and values together (one gather each), where every
+    patch's indices are one contiguous slice of a single buffer and its values of another, all on one device:
+    its indices shifted by its ``shifts`` entry, and its values, ``samples`` of each patch in turn. ``None``
+    where they are not."""
+    columns = []
+    for column in ([p.indices for p in patches], [p.values for p in patches]):
+        first: torch.Tensor = column[0]  # type: ignore[assignment]
+        storage = first.untyped_storage()
+        base, size = storage.data_ptr(), storage.nbytes() // first.element_size()
+        offsets = []
+        for tensor in column:
+            assert tensor is not None
+            at = (tensor.data_ptr() - base) // first.element_size()  # within the buffer: in no other
+            if (tensor.device != first.device or tensor.dtype != first.dtype or tensor.dim() != 1
+                    or tensor.stride(0) != 1 or not 0 <= at <= size - tensor.numel()):
+                return None
+            offsets.append(at)
+        columns.append((first.as_strided((size,), (1,), 0), offsets))
+    (indices, at_index), (values, at_value) = columns
+    device = indices.device
+    if values.device != device or device not in picks.tables:
+        return None
+    table = stage([torch.tensor([[picks.rows[id(p)], i, v, s] for p, i, v, s in
+                                 zip(patches, at_index, at_value, shifts)], dtype=torch.int64)], device)[0]
+    drawn = picks.tables[device].index_select(0, table[:, 0])  # (patches, samples): within each patch's changes
+    runtime = indices.index_select(0, drawn.add(table[:, 1:2]).view(-1)).view(drawn.shape).add_(table[:, 3:4])
+    return runtime.view(-1), values.index_select(0, drawn.add_(table[:, 2:3]).view(-1))
 
 
 def check_proofs(answers: list[dict[str, Any]]) -> None:
