@@ -91,12 +91,17 @@ class TestPlainWeights:
         served = greedy(llm, logprobs=1)
         assert served != initial  # the check below can tell weights that were not served apart
         # Reference: the same engine after vLLM's own loader wrote the same weights (same kernels and
-        # threads, so the same outputs bit for bit; another machine's transformers or a second engine
-        # may break a near tie differently).
+        # threads; another machine's transformers or a second engine may break a near tie differently).
         weights = trainer.bf16()
         llm.collective_rpc("bench_load_full", args=(str(save_checkpoint(weights, smollm2, tmp_path / "ckpt")), 1))
         assert_engine_exact(follower, weights)
-        assert greedy(llm, logprobs=1) == served
+        reference = greedy(llm, logprobs=1)
+        # The weights are compared bit for bit above; the engine's outputs are not bitwise reproducible from
+        # one run to the next even with the same weights (a last token's logprob moved by 0.001-0.004 in 2 of
+        # 40 repeats of this greedy run here). Weights not served would give the initial outputs: the same
+        # tokens as the reference, and logprobs far closer to it than to the initial ones.
+        assert [tokens for tokens, _ in reference] == [tokens for tokens, _ in served]
+        assert _logprob_gap(reference, served) < 0.25 * _logprob_gap(initial, served)
         # The check counts what differs: three elements of one tensor, one ulp off.
         name = "model.layers.1.mlp.down_proj.weight"
         off = weights[name].clone()
