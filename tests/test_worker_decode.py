@@ -285,6 +285,46 @@ def test_a_fused_parameter_s_tensors_are_written_in_one_scatter(monkeypatch: pyt
         assert joined == check_written(index, as_host, samples=100, seed=seed) and len(joined[1]) >= 1
 
 
+@pytest.mark.parametrize("batch", [None, 9000], ids=["one-batch", "two-batches"])
+@pytest.mark.parametrize("params", [0, 1, 2], ids=["a-parameter-each", "fused", "two-taking-turns"])
+def test_a_read_back_takes_its_draws_from_the_decode_s_buffers_and_sees_what_a_tensor_by_tensor_one_sees(
+    monkeypatch: pytest.MonkeyPatch, params: int, batch: int | None
+) -> None:
+    """The device path's patches are slices of a batch's results: the read-back takes every tensor's drawn
+    positions from those buffers together (a lot per batch), whether the tensors have parameters of their
+    own or share them, and finds exactly what drawing tensor by tensor finds, wrong elements included."""
+    from deltasync.codec import device
+    from tests.dispatch_helpers import recorded_ops
+
+    if batch is not None:
+        monkeypatch.setattr(device, "BATCH", batch)  # 40 tensors of 409 changes: two batches
+    old = _many(40)
+    new = _step(old)
+    index, stacked = _fused(old, "cpu", params) if params else _on("cpu", old)
+    patches = decode_here(index, [_delta(old, new)], whole=False, on_device=True)
+    write_patches(index, patches)
+    alone = [dataclasses.replace(p, indices=p.indices.clone(), values=p.values.clone()) for p in patches]
+    with recorded_ops() as ops:
+        assert check_written(index, patches) == (256 * 40, [])
+    with recorded_ops() as ops_alone:
+        assert check_written(index, alone) == (256 * 40, [])
+    reads = params or 40  # a read for each parameter, or a read a tensor
+    assert ops_alone.count("aten.index_select") == 2 * 40 + reads  # a draw's indices and values a tensor
+    if batch is None:  # the draws' rows, their indices and their values: once (for each parameter, if fused)
+        assert ops.count("aten.index_select") == 3 * max(params, 1) + reads
+    else:  # a lot per batch (a lot of fewer than 8 tensors drawn tensor by tensor)
+        assert ops.count("aten.index_select") < ops_alone.count("aten.index_select")
+    planted = 0
+    for k, patch in enumerate(patches[::3]):  # some wrong elements in every third tensor
+        held, start = index.in_place(patch.name)  # type: ignore[misc]
+        flat = held.param.data.view(torch.int16).view(-1)[start:]
+        flat[patch.indices[k % 5 :: 23]] += 1
+        planted += 1
+    for seed in range(3):
+        got = check_written(index, patches, seed=seed)
+        assert got == check_written(index, alone, seed=seed) and len(got[1]) >= planted // 2
+
+
 def test_tensors_tied_to_one_place_are_written_one_after_another() -> None:
     """Two checkpoint tensors a map sends to the same elements are not joined into one scatter (which would
     leave either value, by the kernel's whim): each is written in turn, the last one's values stay."""

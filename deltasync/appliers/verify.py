@@ -231,6 +231,7 @@ def check_written(
         first = len(rows)
         rows.extend((patch.name, index.targets[patch.name][0].param_name, 0, n) for patch, n in zip(members, sizes))
         compared.setdefault((got.device, got.dtype), []).append((list(range(first, len(rows))), got, values, sizes))
+    taken = _taken_together([p for p in sampled if id(p) not in fused], samples, picks)
     for patch in patches:
         idx: torch.Tensor | None
         if id(patch) in fused:  # read with the other tensors of its parameter, above
@@ -240,7 +241,7 @@ def check_written(
         elif samples <= 0 or not patch.indices.numel():
             continue
         else:
-            idx, values = _sample(patch, samples, picks)
+            idx, values = taken[id(patch)] if id(patch) in taken else _sample(patch, samples, picks)
         for target in index.targets[patch.name]:
             region = plain_region(target, values) if patch.indices is None else None
             if region is not None:  # a whole tensor in a plain parameter: one strided compare
@@ -339,7 +340,7 @@ def _fused_reads(
     fused experts), read with one gather for the parameter instead of one a tensor: each tensor's positions
     shifted to its place by one lookup for all. The positions drawn for sampled patches are taken from their
     indices and values with one gather each where those lie in one buffer each (the device path's patches:
-    slices of one batch's results), instead of two a tensor. Returns, per such read, (its patches, the bits
+    slices of one batch's results; a lot per batch where they span several), instead of two a tensor. Returns, per such read, (its patches, the bits
     read back, the bits written there, how many of them are each patch's, in turn), and the ``id`` of every
     patch read so."""
     if samples <= 0:
@@ -358,14 +359,39 @@ def _fused_reads(
         chosen = _sampled_together(group, [shift for _, _, shift in members], picks) if drawn else None
         if chosen is not None:
             (runtime, values), sizes = chosen, [samples] * len(group)
-        else:  # each patch's own positions (all its changes, or its draw), joined
-            taken = [_sample(patch, samples, picks) for patch in group]
+        else:  # each patch's own positions (all its changes, or its draw: from a few buffers), joined
+            together = _taken_together(group, samples, picks) if drawn else {}
+            taken = [together.get(id(patch)) or _sample(patch, samples, picks) for patch in group]
             runtime = shifted([(idx, shift) for (idx, _), (_, _, shift) in zip(taken, members)])
             values, sizes = torch.cat([v for _, v in taken]), [len(idx) for idx, _ in taken]
         got = PLAIN.read(members[0][1].param.data, runtime, published)
         out.append((group, got, values.to(got.device), sizes))
         done.update(id(patch) for patch in group)
     return out, done
+
+
+def _taken_together(patches: Sequence[Patch], samples: int, picks: _Picks) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The drawn indices and bits of the sampled ``patches`` whose indices and values lie in the same two
+    buffers as :data:`~.apply.SHIFT_TOGETHER` or more others' (the device path's patches), taken with two
+    gathers for each such lot instead of two a tensor. ``id(patch)`` -> (its indices, its bits)."""
+    lots: dict[tuple[int, int], list[Patch]] = {}
+    for patch in patches:
+        if patch.indices is not None and patch.indices.numel() > samples:
+            lots.setdefault(_buffers(patch), []).append(patch)
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for lot in lots.values():
+        chosen = _sampled_together(lot, [0] * len(lot), picks) if len(lot) >= SHIFT_TOGETHER else None
+        if chosen is not None:
+            rows = [column.view(len(lot), samples).unbind(0) for column in chosen]
+            out.update(zip(map(id, lot), zip(*rows)))
+    return out
+
+
+def _buffers(patch: Patch) -> tuple[int, int]:
+    """Where the buffers that ``patch``'s indices and values are views of start (the same for every patch of
+    one batch of a device-path decode)."""
+    assert patch.indices is not None
+    return patch.indices.untyped_storage().data_ptr(), patch.values.untyped_storage().data_ptr()
 
 
 def _sampled_together(
