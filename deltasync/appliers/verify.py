@@ -340,9 +340,9 @@ def _fused_reads(
     fused experts), read with one gather for the parameter instead of one a tensor: each tensor's positions
     shifted to its place by one lookup for all. The positions drawn for sampled patches are taken from their
     indices and values with one gather each where those lie in one buffer each (the device path's patches:
-    slices of one batch's results; a lot per batch where they span several), instead of two a tensor. Returns, per such read, (its patches, the bits
-    read back, the bits written there, how many of them are each patch's, in turn), and the ``id`` of every
-    patch read so."""
+    slices of one batch's results; a lot per batch where they span several), instead of two a tensor.
+    Returns, per such read, (its patches, the bits read back, the bits written there, how many of them are
+    each patch's, in turn), and the ``id`` of every patch read so."""
     if samples <= 0:
         return [], set()
     groups: dict[tuple[int, torch.dtype, bool], list[tuple[Patch, Target, int]]] = {}
@@ -370,7 +370,9 @@ def _fused_reads(
     return out, done
 
 
-def _taken_together(patches: Sequence[Patch], samples: int, picks: _Picks) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _taken_together(
+    patches: Sequence[Patch], samples: int, picks: _Picks
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The drawn indices and bits of the sampled ``patches`` whose indices and values lie in the same two
     buffers as :data:`~.apply.SHIFT_TOGETHER` or more others' (the device path's patches), taken with two
     gathers for each such lot instead of two a tensor. ``id(patch)`` -> (its indices, its bits)."""
