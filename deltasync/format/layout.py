@@ -73,8 +73,12 @@ def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[
         dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
         start, stop = info["data_offsets"]  # type: ignore[index]
         shape = info["shape"]  # type: ignore[index]
-        ok = isinstance(shape, list) and all(  # a list: "{}" or "" would unpack to no dimensions at all
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop, *shape)
+        # JSON integers (not bools: type, not isinstance), not negative; the shape a list ("{}" or "" would
+        # unpack to no dimensions at all). Spelled out for the one dimension of a delta's streams: a
+        # generator over them was half of a 4096-tensor delta's layout check.
+        ok = type(shape) is list and type(start) is int and type(stop) is int and start >= 0 and stop >= 0 and (
+            type(shape[0]) is int and shape[0] >= 0 if len(shape) == 1
+            else all(type(v) is int and v >= 0 for v in shape)
         )
     except (KeyError, TypeError, ValueError):
         ok = False
