@@ -213,9 +213,8 @@ def shifted(pieces: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     if len(pieces) < SHIFT_TOGETHER:
         return torch.cat([indices + shift if shift else indices for indices, shift in pieces])
     joined = torch.cat([indices for indices, _ in pieces])
-    sizes, shifts = stage([torch.tensor([[len(i), shift] for i, shift in pieces], dtype=torch.int64)],
-                          joined.device)[0].unbind(1)
-    return joined.add_(shifts[segment_owners(sizes, joined.numel())])
+    (shifts,) = _by_piece([(len(i), shift) for i, shift in pieces], joined.numel(), joined.device)
+    return joined.add_(shifts)
 
 
 def gather_pieces(flat: torch.Tensor, pieces: Sequence[tuple[torch.Tensor, int, int]], out: torch.Tensor) -> None:
@@ -229,15 +228,23 @@ def gather_pieces(flat: torch.Tensor, pieces: Sequence[tuple[torch.Tensor, int, 
         rows.append((len(indices), shift, place - at))  # where it lands, against where it would in a row
         at += len(indices)
     in_a_row = not any(move for _, _, move in rows)
-    sizes, shifts, moves = stage([torch.tensor(rows, dtype=torch.int64)], joined.device)[0].unbind(1)
-    owner = segment_owners(sizes, joined.numel())
-    runtime = joined.add_(shifts[owner])
-    first = pieces[0][2]
+    first, total = pieces[0][2], joined.numel()
     if in_a_row:
-        torch.index_select(flat, 0, runtime, out=out[first : first + joined.numel()])
+        (shifts,) = _by_piece([row[:2] for row in rows], total, joined.device)
+        torch.index_select(flat, 0, joined.add_(shifts), out=out[first : first + total])
         return
-    places = torch.arange(first, first + joined.numel(), device=out.device).add_(moves[owner])
-    out.index_copy_(0, places, flat.index_select(0, runtime))
+    shifts, moves = _by_piece(rows, total, joined.device)
+    places = torch.arange(first, first + total, device=out.device).add_(moves)
+    out.index_copy_(0, places, flat.index_select(0, joined.add_(shifts)))
+
+
+def _by_piece(rows: Sequence[tuple[int, ...]], total: int, device: torch.device) -> list[torch.Tensor]:
+    """For pieces laid end to end (``rows``: one a piece, its size then its values), each value column spread
+    over the pieces' ``total`` elements (each element gets its piece's value): one staged copy of the small
+    table and one lookup a column, however many pieces."""
+    sizes, *columns = stage([torch.tensor(rows, dtype=torch.int64)], device)[0].unbind(1)
+    owner = segment_owners(sizes, total)
+    return [column[owner] for column in columns]
 
 
 def _disjoint(targets: Sequence[Target]) -> bool:

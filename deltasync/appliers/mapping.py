@@ -410,13 +410,14 @@ class IndexMap:
             return None
         target, spec = targets[0], self.specs[name]
         numel = spec.numel
-        if target.layout is not PLAIN or target.flat is None or target.flat[:2] != (0, numel):
+        start = target.whole_start() if target.layout is PLAIN else None
+        if start is None:
             return None
-        data, shift = target.param.data, target.flat[2]
-        if not (data.is_cpu and data.is_contiguous() and data.dtype == spec.torch_dtype) or shift < 0 \
-                or shift + numel > data.numel():
+        data = target.param.data
+        if not (data.is_cpu and data.is_contiguous() and data.dtype == spec.torch_dtype) or start < 0 \
+                or start + numel > data.numel():
             return None
-        return data.view(-1)[shift : shift + numel].view(bits_dtype(data.dtype)).numpy()
+        return from_start(data, start)[:numel].view(bits_dtype(data.dtype)).numpy()
 
     def in_place(self, name: str) -> tuple[Target, int] | None:
         """Tensor ``name``'s one target and the runtime flat index it starts at, where this rank holds it

@@ -142,15 +142,17 @@ class MapReader:
             raise TensorMismatch(f"{name}: {_MISSING}", name=name)
         return targets[0].param.device  # the same as its data's, without making a detached tensor to ask
 
-    def gather(self, name: str, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds), on :meth:`device_of`'s device (into
-        ``out`` where given)."""
-        published = self._index.specs[name].torch_dtype
-        device = self.device_of(name)
-        placed = self._in_place(name, out) if out is not None else None
+    def _gather(
+        self, name: str, index: torch.Tensor, out: torch.Tensor, placed: tuple[torch.nn.Parameter, int] | None
+    ) -> None:
+        """Bits of tensor ``name`` at checkpoint flat ``index`` (in bounds) into ``out``, on :meth:`device_of`'s
+        device; ``placed``: where it lies whole in one parameter (:meth:`_in_place`), read there."""
         if placed is not None and index.device == out.device:  # the rule: one read where it lies, into ``out``
             param, start = placed
-            return torch.index_select(from_start(bits_view(param.data), start), 0, index, out=out)
+            torch.index_select(from_start(bits_view(param.data), start), 0, index, out=out)
+            return
+        published = self._index.specs[name].torch_dtype
+        device = self.device_of(name)
         bits: torch.Tensor | None = None
         held: torch.Tensor | None = None  # None: every element (some target holds all of them)
         for target in self._index.targets[name]:
@@ -165,7 +167,7 @@ class MapReader:
         assert bits is not None
         if held is not None:
             self._missing.append((name, (~held).sum()))
-        return bits if out is None else out.copy_(bits)
+        out.copy_(bits)
 
     def gather_into(self, requests: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor) -> None:
         """Bits of each ``(name, index)`` request's tensor at its checkpoint flat indices (in bounds), side by
@@ -175,8 +177,8 @@ class MapReader:
         fused experts), theirs are read with one gather for the lot (:func:`~.apply.gather_pieces`: about ten
         ops a parameter instead of one a tensor), landing in their places in ``out`` even where they are not
         side by side there (a checkpoint lists an expert's ``gate_proj`` and ``up_proj``, fused into one
-        parameter, then its ``down_proj``, fused into another, expert after expert). The others are read by
-        :meth:`gather`, each into its place.
+        parameter, then its ``down_proj``, fused into another, expert after expert). The others are read one
+        by one, each into its place.
         """
         sizes = [index.numel() for _, index in requests]
         starts = list(itertools.accumulate(sizes, initial=0))
@@ -193,8 +195,8 @@ class MapReader:
             flat = bits_view(held[members[0]][0].data).view(-1)  # type: ignore[index]
             gather_pieces(flat, [(requests[k][1], held[k][1], starts[k]) for k in members], out)  # type: ignore[index]
         places = out.split(sizes) if alone else ()
-        for k in sorted(alone):
-            self.gather(*requests[k], out=places[k])
+        for k in sorted(alone):  # where it lies (found above, not again), or through the map
+            self._gather(*requests[k], places[k], held[k])
 
     def _in_place(self, name: str, out: torch.Tensor) -> tuple[torch.nn.Parameter, int] | None:
         """The parameter that alone holds tensor ``name`` whole at one flat range
