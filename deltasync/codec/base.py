@@ -51,8 +51,9 @@ class FlatLookup:
         return self.read(name, indices)
 
 
-Parts = Mapping[str, torch.Tensor]
-"""One tensor's arrays in a file, by part name (the entries ``"{tensor}::{part}"``)."""
+Parts = Mapping[str, torch.Tensor | np.ndarray]
+"""One tensor's arrays in a file, by part name (the entries ``"{tensor}::{part}"``); a decoded file's byte
+streams come as numpy views of it (:func:`check_part` hands out tensors)."""
 Params = Mapping[str, Any]
 """One tensor's codec parameters, from the file's metadata (JSON-able scalars)."""
 
@@ -121,6 +122,8 @@ def check_part(
     if key not in parts:
         raise CodecError(f"{spec.name}: missing part {key!r}", name=spec.name, part=key)
     part = parts[key]
+    if isinstance(part, np.ndarray):  # a file's byte stream, viewed as numpy by the decoder
+        part = torch.from_numpy(part)
     if part.dtype != dtype or (shape is not None and tuple(part.shape) != shape):
         raise CodecError(
             f"{spec.name}: part {key!r} is {part.dtype}{list(part.shape)}, "

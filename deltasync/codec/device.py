@@ -140,7 +140,11 @@ def _byte_part(parts: Parts, key: str, spec: TensorSpec) -> np.ndarray:
     """Part ``key``, a 1-D uint8 stream, as a numpy view (a file's entry in one step); otherwise
     :func:`~.base.check_part`'s error."""
     part = parts.get(key)
-    if part is not None and part.dtype == torch.uint8 and part.dim() == 1 and part.is_cpu and not part.requires_grad:
+    if type(part) is np.ndarray and part.dtype == np.uint8 and part.ndim == 1:  # a file's stream (decode's)
+        return part
+    if isinstance(part, torch.Tensor) and part.dtype == torch.uint8 and part.dim() == 1 and part.is_cpu and (
+        not part.requires_grad
+    ):
         return part.numpy()
     return to_numpy(check_part(parts, key, torch.uint8, None, spec))
 
