@@ -148,6 +148,35 @@ class TestWhereItHolds:
         for name, tensor in masters.items():
             assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
 
+    def test_a_replica_frees_each_files_header_before_the_collector_resumes(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A header's objects (a dozen a tensor) still alive when the pause ends would be walked by the
+        collection its end starts, every version: the update frees them inside the pause."""
+        from deltasync.format import Header
+
+        masters = weights(tensors=6)
+        replica = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in masters.items()}
+        store = MemoryStore("gc-headers")
+        with Publisher(masters, store, anchor_every=10) as publisher:
+            publisher.publish(0, block=True)
+            publisher.flush()
+            subscriber = Subscriber(store, TorchModuleApplier(replica))
+            assert subscriber.update() is not None
+            stepped(masters)
+            publisher.publish(1, block=True)
+        alive: list[int] = []
+        resume = gc.enable
+
+        def enable() -> None:  # what the collector would find as the pause ends
+            alive.append(sum(type(o) is Header for o in gc.get_objects()))
+            resume()
+
+        monkeypatch.setattr(gc, "enable", enable)
+        info = subscriber.update()
+        assert info is not None and info.version == 1
+        assert alive == [0]
+
 
 class TestNoCyclesHoldWeights:
     """A trainer's publisher or a replica's subscriber and applier, once dropped, free the weights they held by
