@@ -104,10 +104,12 @@ def _entries(
     whole = torch.frombuffer(view, dtype=torch.uint8)  # a delta's streams are slices of it (a view each)
     flat = np.frombuffer(view, dtype=np.uint8) if streams else None
     for name, (start, stop) in spans.items():
-        dtype, shape = SAFETENSORS_DTYPES[layout[name]["dtype"]], layout[name]["shape"]
-        if dtype == torch.uint8 and len(shape) == 1:  # 2 us a tensor slice, 0.15 a numpy one; 5 a frombuffer
+        info = layout[name]
+        if info["dtype"] == "U8" and len(info["shape"]) == 1:  # a tensor slice 2 us, a numpy one 0.15, frombuffer 5
             out[name] = whole[head + start : head + stop] if flat is None else flat[head + start : head + stop]
-        elif stop == start:
+            continue
+        dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
+        if stop == start:
             out[name] = torch.empty(shape, dtype=dtype)
         elif (head + start) % dtype.itemsize:  # another writer's unaligned layout: copied, never viewed misaligned
             out[name] = torch.frombuffer(bytearray(view[head + start : head + stop]), dtype=dtype).reshape(shape)

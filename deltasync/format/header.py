@@ -332,13 +332,15 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
     tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
     numel = _integer(meta, "numel")
+    total = 0
     for name, entry in tensors.items():
         carried = entry.local_spec.numel
+        total += carried
         if kind == "anchor" and (entry.codec != "dense" or entry.nnz != carried):
             raise DeltaFormatError(f"{name}: an anchor carries every element (codec dense, nnz {carried})")
         if kind == "delta" and entry.nnz == 0:
             raise DeltaFormatError(f"{name}: a delta lists only tensors that changed (nnz >= 1)")
-    if sum(entry.local_spec.numel for entry in tensors.values()) > numel:
+    if total > numel:
         raise DeltaFormatError(f"the file carries more elements than the model's numel {numel}")
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version, layout)
 
@@ -347,7 +349,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
     if not isinstance(raw, dict):
         raise DeltaFormatError(f"{name}: tensor entry must be an object")
     shape = raw["shape"]
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):  # JSON integers, not bools
         raise DeltaFormatError(f"{name}: bad shape {shape!r}")
     dtype_from_name(raw["dtype"])
     spec = TensorSpec(name, tuple(shape), raw["dtype"])
@@ -373,7 +375,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
         ):
             raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
         rows = Elements(elements[0], elements[1])
-    carried = slice_spec(spec, rows).numel
+    carried = spec.numel if rows is None else slice_spec(spec, rows).numel
     if not _is_int(nnz) or not 0 <= nnz <= carried:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {carried}]")
     if not isinstance(params, dict):
