@@ -376,7 +376,7 @@ class Subscriber:
                     decoded = None if _takes_files(self.applier, step.kind, blobs) else (
                         self._fetcher.decode_checked(step, blobs, headers))
                     # Freed inside the pause: a dozen small objects a tensor that, alive when it ends, the
-                    # collection its end starts would walk (9 ms for a delta of 4096 tensors).
+                    # collection its end starts would walk (about 7 ms an update at 4096 tensors).
                     del headers
                 t1 = time.perf_counter()
                 refused = None
