@@ -45,6 +45,22 @@ def stepped(masters: dict[str, torch.Tensor], density: float = 0.02) -> None:
         tensor[where] = bits.view(torch.bfloat16).float()
 
 
+class Looked(dict):  # type: ignore[type-arg]
+    """A rank's map (name -> targets) that notes, at each look, whether the collector is on."""
+
+    def __init__(self, targets: Mapping[str, Any], during: list[bool]) -> None:
+        super().__init__(targets)
+        self.during = during
+
+    def __getitem__(self, name: str) -> Any:
+        self.during.append(gc.isenabled())
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.during.append(gc.isenabled())
+        return super().get(name, default)
+
+
 class TestCollectorPaused:
     def test_nested_holders_turn_it_back_on_when_the_last_leaves(self) -> None:
         with collector_paused():
@@ -147,6 +163,42 @@ class TestWhereItHolds:
         assert during and not any(during) and gc.isenabled()
         for name, tensor in masters.items():
             assert torch.equal(replica[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+
+    @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device-path"])
+    def test_a_rank_decodes_writes_and_reads_back_without_the_collector(self, on_device: bool) -> None:
+        """A vLLM rank's worker: its decode (whose headers die inside the pause), its write and its read-back
+        each hold the collector off, make no cycles, and leave the rank exact."""
+        from deltasync.appliers.apply import write_patches
+        from deltasync.appliers.mapping import IndexMap
+        from deltasync.appliers.verify import check_written
+        from deltasync.appliers.worker_decode import decode_here
+
+        masters = weights(tensors=6)
+        held = {n: torch.nn.Parameter(t.to(torch.bfloat16), requires_grad=False) for n, t in masters.items()}
+        index = IndexMap.whole(held)
+        snapshot = Snapshot.capture(masters)
+        stepped(masters)
+        data = encode_delta(diff(snapshot, masters), version=1, base_version=0)
+        base = {n: p.data.clone() for n, p in held.items()}
+        during: list[bool] = []
+        index.targets = Looked(index.targets, during)  # each look at the map says whether the collector runs
+
+        def version() -> None:  # from the base: decoded against it, written, read back
+            for name, param in held.items():
+                param.data.copy_(base[name])
+            patches = decode_here(index, [data], whole=False, on_device=on_device)
+            write_patches(index, patches)
+            checked, wrong = check_written(index, patches)
+            assert checked and not wrong
+
+        version()  # the first run compiles kernels (numba leaves a type or two in cycles then)
+        gc.collect()
+        during.clear()
+        version()
+        assert gc.collect() == 0  # what the decode, the write and the read-back made, reference counting freed
+        assert during and not any(during) and gc.isenabled()
+        for name, tensor in masters.items():
+            assert torch.equal(held[name].data.view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
 
     def test_a_replica_frees_each_files_header_before_the_collector_resumes(
         self, monkeypatch: pytest.MonkeyPatch

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
+from ..gc_pause import collector_paused
 from ..tensors import TensorSpec, host_ints, positions, segment_owners, stage
 from .mapping import PLAIN, IndexMap, Target, from_start
 
@@ -145,6 +146,7 @@ def _checked_patch(index: IndexMap, name: str, parts: Mapping[str, np.ndarray]) 
     return Patch(name, spec, idx, torch.from_numpy(values))
 
 
+@collector_paused()  # a few dozen small objects a tensor: no collector walks amid them (see there)
 def write_patches(index: IndexMap, patches: Sequence[Patch]) -> tuple[int, list[torch.nn.Parameter]]:
     """Phase 2: write checked ``patches`` wherever this rank holds them.
 

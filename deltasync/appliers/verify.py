@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import LayoutMismatch, TensorMismatch
+from ..gc_pause import collector_paused
 from ..tensors import TensorSpec, bits_view, host_ints, segment_sums, stage
 from .apply import SHIFT_TOGETHER, Patch, plain_region, read_masked, read_through, shifted
 from .mapping import PLAIN, IndexMap, Target
@@ -206,6 +207,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+@collector_paused()  # a few dozen small objects a tensor: no collector walks amid them (see there)
 def check_written(
     index: IndexMap, patches: Sequence[Patch], *, samples: int = VERIFY_SAMPLES, seed: int = 0
 ) -> tuple[int, list[dict[str, object]]]:

@@ -40,6 +40,7 @@ from ..codec.base import FlatLookup
 from ..diff import Snapshot, diff
 from ..errors import DeltaSyncError, IntegrityError, TensorMismatch
 from ..format import combine, decode, encode_delta
+from ..gc_pause import collector_paused
 from ..tensors import bits_dtype, bits_view, host_ints, stage
 from .apply import SHIFT_TOGETHER, Patch, gather_pieces, merge_bits, plan_patches, read_bits, read_masked
 from .mapping import IndexMap, from_start
@@ -50,6 +51,7 @@ __all__ = ["MapReader", "accelerator_of", "decode_here", "refusal_to_json", "ref
 _MISSING = "changed elements are not held by this rank"
 
 
+@collector_paused()  # the headers and entries die with this call, inside the pause: no collection walks them
 def decode_here(
     index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool, on_device: bool | None = None
 ) -> list[Patch]:
