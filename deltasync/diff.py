@@ -33,6 +33,7 @@ import torch
 from .device_diff import changes_on_device
 from .diff_chunks import blocks
 from .errors import TensorMismatch
+from .gc_pause import collector_paused
 from .tensors import BITS_BY_SIZE, TensorSpec, bits_view, published_dtype, published_tensors, settle, stage, write_at
 
 __all__ = ["TensorChange", "ChangeSet", "Snapshot", "diff", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
@@ -184,6 +185,7 @@ class Snapshot:
         """Memory held by the snapshot."""
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
+    @collector_paused()  # a few objects a changed tensor: no collector walks amid them (see there)
     def advance(self, changes: ChangeSet) -> None:
         """Write a committed change set into the snapshot (after its manifest is written).
 
@@ -212,6 +214,7 @@ class Snapshot:
             write_at(bits, indices, values)
 
 
+@collector_paused()  # on the training thread: no collection of a trainer's heap amid a version's few objects a tensor
 def diff(
     snapshot: Snapshot,
     source: torch.nn.Module | Mapping[str, torch.Tensor],

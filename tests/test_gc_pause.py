@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,30 @@ class Looked(dict):  # type: ignore[type-arg]
     def get(self, name: str, default: Any = None) -> Any:
         self.during.append(gc.isenabled())
         return super().get(name, default)
+
+
+def collections_inside(run: Callable[[], Any], *files: str) -> list[str]:
+    """The functions of ``files`` (path endings) running when a collection started during ``run``, with the
+    collector as eager as it gets (a collection at every second object made while it is on)."""
+    inside: list[str] = []
+
+    def started(phase: str, info: dict[str, int]) -> None:
+        frame = sys._getframe(1)  # the code whose allocation started this collection, and its callers
+        while phase == "start" and frame is not None:
+            if frame.f_code.co_filename.endswith(files):
+                inside.append(frame.f_code.co_name)
+                return
+            frame = frame.f_back
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(started)
+    try:
+        run()
+    finally:
+        gc.callbacks.remove(started)
+        gc.set_threshold(*threshold)
+    return inside
 
 
 class TestCollectorPaused:
@@ -199,6 +224,25 @@ class TestWhereItHolds:
         assert during and not any(during) and gc.isenabled()
         for name, tensor in masters.items():
             assert torch.equal(held[name].data.view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
+
+    @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device-path"])
+    def test_the_trainers_diff_and_the_snapshots_advance_start_no_collection(self, on_device: bool) -> None:
+        """On the training thread: a collection amid the diff would walk a trainer's whole heap now and then;
+        none starts inside it (or the snapshot's advance after a publish), and both make no cycles."""
+        masters = weights(tensors=24)
+        snapshot = Snapshot.capture(masters)
+        stepped(masters)
+        diff(snapshot, masters, on_device=on_device)  # compiles what the first diff needs
+        gc.collect()
+        found: list[Any] = []
+        inside = collections_inside(lambda: found.append(diff(snapshot, masters, on_device=on_device)),
+                                    "deltasync/diff.py", "deltasync/device_diff.py", "deltasync/diff_chunks.py")
+        assert inside == [] and len(found[0].changes) == 24
+        assert collections_inside(lambda: snapshot.advance(found[0]), "deltasync/diff.py") == []
+        found.clear()
+        assert gc.collect() == 0 and gc.isenabled()
+        for name, tensor in masters.items():
+            assert torch.equal(snapshot[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)), name
 
     def test_a_replica_frees_each_files_header_before_the_collector_resumes(
         self, monkeypatch: pytest.MonkeyPatch
