@@ -7,6 +7,7 @@ overlaps and, for anchors, gaps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -54,7 +55,7 @@ def decode(
         `(Header, dict[str, Decoded])`: per tensor, validated indices and new bit patterns.
             For a shard file (entries with ``rows``) indices are flat in the full tensor and
             a whole slice comes back as ``Decoded(None, values, start)``; :func:`combine`
-            joins the shards of one version.
+            joins the shards of one version. A header parsed here comes back without its ``layout``.
 
     Raises:
         `DeltaFormatError` / `CodecError`: anything malformed; `IntegrityError`: a
@@ -62,8 +63,12 @@ def decode(
     """
     # Parsed once for the header and the entries (a packed one is inflated once), or not again at all.
     layout = header.layout if header is not None and header.layout is not None else raw_header(data)
+    given = header
     header = header or header_of(layout)
-    return header, decode_entries(header, _entries(data, layout, streams=True), base=base, on_device=on_device)
+    decoded = decode_entries(header, _entries(data, layout, streams=True), base=base, on_device=on_device)
+    # A layout parsed here dies with this call, inside the pause: kept by the header, its dozen objects a tensor
+    # would be walked by the collection the pause's end starts.
+    return (given if given is not None else dataclasses.replace(header, layout=None)), decoded
 
 
 def file_entries(data: bytes | bytearray | memoryview, layout: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
