@@ -63,12 +63,11 @@ def decode(
     """
     # Parsed once for the header and the entries (a packed one is inflated once), or not again at all.
     layout = header.layout if header is not None and header.layout is not None else raw_header(data)
-    given = header
-    header = header or header_of(layout)
-    decoded = decode_entries(header, _entries(data, layout, streams=True), base=base, on_device=on_device)
+    parsed = header or header_of(layout)
+    decoded = decode_entries(parsed, _entries(data, layout, streams=True), base=base, on_device=on_device)
     # A layout parsed here dies with this call, inside the pause: kept by the header, its dozen objects a tensor
     # would be walked by the collection the pause's end starts.
-    return (given if given is not None else dataclasses.replace(header, layout=None)), decoded
+    return header or dataclasses.replace(parsed, layout=None), decoded
 
 
 def file_entries(data: bytes | bytearray | memoryview, layout: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:

@@ -349,7 +349,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
     if not isinstance(raw, dict):
         raise DeltaFormatError(f"{name}: tensor entry must be an object")
     shape = raw["shape"]
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):  # JSON integers, not bools
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise DeltaFormatError(f"{name}: bad shape {shape!r}")
     dtype_from_name(raw["dtype"])
     spec = TensorSpec(name, tuple(shape), raw["dtype"])
