@@ -330,11 +330,12 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
     )
     if not isinstance(raw_entries, dict):
         raise DeltaFormatError("metadata 'tensors' must be a JSON object")
-    tensors = {name: _parse_entry(name, e) for name, e in raw_entries.items()}
+    tensors: dict[str, TensorEntry] = {}
     numel = _integer(meta, "numel")
     total = 0
-    for name, entry in tensors.items():
-        carried = entry.local_spec.numel
+    for name, raw_entry in raw_entries.items():
+        entry, carried = _parse_entry(name, raw_entry)
+        tensors[name] = entry
         total += carried
         if kind == "anchor" and (entry.codec != "dense" or entry.nnz != carried):
             raise DeltaFormatError(f"{name}: an anchor carries every element (codec dense, nnz {carried})")
@@ -345,14 +346,34 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version, layout)
 
 
-def _parse_entry(name: str, raw: Any) -> TensorEntry:
+_SPECS: dict[tuple[str, tuple[int, ...], Any], tuple[TensorSpec, int]] = {}
+"""Specs parsed so far, with their element counts, by (name, shape, dtype): a replica reads the same few hundred
+or thousand tensors in every version's header, and a spec's checks and construction cost 2-4 us each time."""
+_SPECS_KEPT = 1 << 16  # a header of more distinct tensors than this starts the cache again
+
+
+def _spec(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[TensorSpec, int]:
+    """The spec of a checked shape (JSON integers, none negative) and its element count, checked once."""
+    key = (name, shape, dtype)
+    found = _SPECS.get(key)
+    if found is None:
+        dtype_from_name(dtype)
+        spec = TensorSpec(name, shape, dtype)
+        found = spec, spec.numel
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.clear()
+        _SPECS[key] = found
+    return found
+
+
+def _parse_entry(name: str, raw: Any) -> tuple[TensorEntry, int]:
+    """A table entry, and the elements of the tensor the file carries (all of it, or its window)."""
     if not isinstance(raw, dict):
         raise DeltaFormatError(f"{name}: tensor entry must be an object")
     shape = raw["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise DeltaFormatError(f"{name}: bad shape {shape!r}")
-    dtype_from_name(raw["dtype"])
-    spec = TensorSpec(name, tuple(shape), raw["dtype"])
+    spec, numel = _spec(name, tuple(shape), raw["dtype"])
     nnz, params, rows = raw["nnz"], raw.get("params", {}), raw.get("rows")
     if rows is not None:
         if (
@@ -371,11 +392,11 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
             or not isinstance(elements, list)
             or len(elements) != 2
             or not all(_is_int(e) for e in elements)
-            or not 0 <= elements[0] <= elements[1] <= spec.numel
+            or not 0 <= elements[0] <= elements[1] <= numel
         ):
             raise DeltaFormatError(f"{name}: bad elements {elements!r} for shape {shape}")
         rows = Elements(elements[0], elements[1])
-    carried = spec.numel if rows is None else slice_spec(spec, rows).numel
+    carried = numel if rows is None else slice_spec(spec, rows).numel
     if not _is_int(nnz) or not 0 <= nnz <= carried:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {carried}]")
     if not isinstance(params, dict):
@@ -383,7 +404,7 @@ def _parse_entry(name: str, raw: Any) -> TensorEntry:
     digest = digests.read(raw, name, DeltaFormatError)
     if digest is not None and not digests.is_hex(digest[1]):
         raise DeltaFormatError(f"{name}: bad {digest[0]} {digest[1]!r}")
-    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows, digest)
+    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows, digest), carried
 
 
 def check_compatible(header: Header, expected_fingerprint: str) -> None:
