@@ -349,7 +349,7 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
 _SPECS: dict[tuple[str, tuple[int, ...], Any], tuple[TensorSpec, int]] = {}
 """Specs parsed so far, with their element counts, by (name, shape, dtype): a replica reads the same few hundred
 or thousand tensors in every version's header, and a spec's checks and construction cost 2-4 us each time."""
-_SPECS_KEPT = 1 << 16  # a header of more distinct tensors than this starts the cache again
+_SPECS_KEPT = 1 << 16  # past this many distinct specs in one process, the cache starts again
 
 
 def _spec(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[TensorSpec, int]:
