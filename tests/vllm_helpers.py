@@ -33,6 +33,9 @@ TEXTS = [
     "Python is a programming language that lets you work quickly and integrate systems effectively.",
     "Photosynthesis converts light energy into chemical energy that fuels the plant's activities.",
 ]
+_CPU_SHM = "vllm_dist_*"
+"""Segments in ``/dev/shm`` of vLLM's CPU all-reduce between tensor-parallel ranks: its workers unlink them when
+they exit cleanly, and a shutdown that ends them otherwise leaves them behind (a CI run found two, 4 MB each)."""
 ENGINE_ARGS: dict[str, Any] = dict(
     dtype="bfloat16", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True, seed=0
 )
@@ -46,6 +49,8 @@ def engine(
     from vllm import LLM
 
     env = {"DELTASYNC_VLLM_PLAIN_WEIGHTS": "1" if plain else "0"}
+    shm = Path("/dev/shm")
+    before = set(shm.glob(_CPU_SHM)) if tp > 1 and shm.is_dir() else None
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     old = {k: os.environ.get(k) for k in env}
@@ -69,6 +74,9 @@ def engine(
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
+        if before is not None:  # the run's CPU all-reduce segments, whoever was to unlink them
+            for path in set(shm.glob(_CPU_SHM)) - before:
+                path.unlink(missing_ok=True)
 
 
 def greedy(llm: Any, prompts: list[str] = PROMPTS, tokens: int = 8, logprobs: int | None = None) -> list[Any]:
