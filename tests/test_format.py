@@ -96,7 +96,6 @@ class TestHeader:
         assert idx.dtype == torch.int32 and val.dtype == torch.bfloat16
         assert torch.equal(val, target["embed.weight"].view(-1)[idx.long()])
 
-
     def test_a_tensor_spec_is_checked_once_and_kept_within_bounds(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Every version's header names the same tensors: each spec is checked and made once, then reused; a
         header with a bad one is refused every time; the cache starts again past its bound."""
@@ -116,6 +115,7 @@ class TestHeader:
         monkeypatch.setattr(header_module, "_SPECS_KEPT", 2)
         read_header(rebuild(data, edit_entry("norm.weight", shape=[2, 4])))  # a third spec: the cache starts again
         assert len(header_module._SPECS) == 1
+
 
 class TestGolden:
     """Files written by format version 1 stay readable, bit for bit."""
