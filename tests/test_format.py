@@ -96,25 +96,23 @@ class TestHeader:
         assert idx.dtype == torch.int32 and val.dtype == torch.bfloat16
         assert torch.equal(val, target["embed.weight"].view(-1)[idx.long()])
 
-    def test_a_tensor_spec_is_checked_once_and_kept_within_bounds(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_a_tensor_spec_is_checked_once_and_kept_within_bounds(self) -> None:
         """Every version's header names the same tensors: each spec is checked and made once, then reused; a
-        header with a bad one is refused every time; the cache starts again past its bound."""
+        header with a bad one is refused every time; the cache is bounded."""
         import deltasync.format.header as header_module
 
-        monkeypatch.setattr(header_module, "_SPECS", {})
+        header_module._spec.cache_clear()
         data = make_delta()[0]
         first, again = read_header(data), read_header(data)
         assert [e.spec for e in first.tensors.values()] == [e.spec for e in again.tensors.values()]
         assert all(a.spec is b.spec for a, b in zip(first.tensors.values(), again.tensors.values()))
-        assert len(header_module._SPECS) == 2
+        assert header_module._spec.cache_info().currsize == 2
         bad = rebuild(data, edit_entry("norm.weight", dtype="F32x"))
         for _ in range(2):  # a dtype no spec may carry: refused the second time as the first, never kept
             with pytest.raises(DeltaFormatError, match="unsupported dtype"):
                 read_header(bad)
-        assert len(header_module._SPECS) == 2
-        monkeypatch.setattr(header_module, "_SPECS_KEPT", 2)
-        read_header(rebuild(data, edit_entry("norm.weight", shape=[2, 4])))  # a third spec: the cache starts again
-        assert len(header_module._SPECS) == 1
+        assert header_module._spec.cache_info().currsize == 2
+        assert header_module._spec.cache_info().maxsize == 1 << 16
 
 
 class TestGolden:

@@ -8,6 +8,7 @@ safetensors JSON header (length-bounded, strict JSON), the deltasync metadata
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -346,24 +347,15 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
     return Header(kind, version, base, str(meta["fingerprint"]), numel, tensors, format_version, layout)
 
 
-_SPECS: dict[tuple[str, tuple[int, ...], Any], tuple[TensorSpec, int]] = {}
-"""Specs parsed so far, with their element counts, by (name, shape, dtype): a replica reads the same few hundred
-or thousand tensors in every version's header, and a spec's checks and construction cost 2-4 us each time."""
-_SPECS_KEPT = 1 << 16  # past this many distinct specs in one process, the cache starts again
-
-
+@functools.lru_cache(maxsize=1 << 16)
 def _spec(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[TensorSpec, int]:
-    """The spec of a checked shape (JSON integers, none negative) and its element count, checked once."""
-    key = (name, shape, dtype)
-    found = _SPECS.get(key)
-    if found is None:
-        dtype_from_name(dtype)
-        spec = TensorSpec(name, shape, dtype)
-        found = spec, spec.numel
-        if len(_SPECS) >= _SPECS_KEPT:
-            _SPECS.clear()
-        _SPECS[key] = found
-    return found
+    """The spec of a checked shape (JSON integers, none negative) and its element count, checked once per process
+    (as :func:`~deltasync.format.encode.natural_key` keeps names): a replica reads the same few hundred or thousand
+    tensors in every version's header, and a spec's checks, construction and count cost 2-4 us each time. A bad
+    spec raises and is never kept."""
+    dtype_from_name(dtype)
+    spec = TensorSpec(name, shape, dtype)
+    return spec, spec.numel
 
 
 def _parse_entry(name: str, raw: Any) -> tuple[TensorEntry, int]:
