@@ -36,9 +36,9 @@ import safetensors.torch
 import torch
 import zstandard
 
-from deltasync.diff import ChangeSet, Snapshot
 from deltasync.format import encode_anchor
-from deltasync.tensors import bits_view
+from deltasync.publish.diff import Snapshot
+from deltasync.tensors import ChangeSet, bits_view
 
 __all__ = [
     "dense_file",

@@ -19,6 +19,10 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 
+# A benchmark is a program of its own: deltasync may hold the cycle collector off amid its work here and in
+# the processes it starts (vLLM workers inherit the environment), as in a trainer or replica that allows it.
+os.environ.setdefault("DELTASYNC_PAUSE_GC", "1")
+
 
 def machine() -> dict[str, Any]:
     """Facts that make a result comparable: cores, CPU model, library versions."""

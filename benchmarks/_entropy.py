@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltasync.diff import ChangeSet, Snapshot
-from deltasync.tensors import bits_view
+from deltasync.publish.diff import Snapshot
+from deltasync.tensors import ChangeSet, bits_view
 
 
 def _binary_entropy_bits(n: np.ndarray, k: np.ndarray) -> float:

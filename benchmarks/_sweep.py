@@ -47,10 +47,10 @@ from _common import human_bytes, machine, median, table, timed, write_json
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.codec import codec_names
-from deltasync.diff import ChangeSet, Snapshot, diff
+from deltasync.demo.models import chat_batches, load_smollm2, train_step
 from deltasync.format import decode, encode_delta
-from deltasync.models import chat_batches, load_smollm2, train_step
-from deltasync.tensors import bits_view
+from deltasync.publish.diff import Snapshot, diff
+from deltasync.tensors import ChangeSet, bits_view
 
 LRS = (1e-7, 1e-6, 3e-6, 1e-5, 1e-4)
 INTERVAL_LR = 3e-6  # the learning rate of the interval sweep (and of the default payload run)

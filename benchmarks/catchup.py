@@ -29,7 +29,7 @@ updates of 0.05-1 % of each tensor, an occasional dense tensor and special
 values) at ``--scale`` million elements, 134 by default: the size of
 SmolLM2-135M, without the seconds of CPU training per version. ``--workload
 real`` trains SmolLM2-135M-Instruct live instead (fp32 masters, AdamW lr 3e-6,
-the chat batches of :mod:`deltasync.models`) and publishes every optimizer
+the chat batches of :mod:`deltasync.demo.models`) and publishes every optimizer
 step. ``--quick`` runs the synthetic workload at 1 M elements, joins at 5, 10
 and 20 versions, and writes to a temporary directory.
 
@@ -57,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, results_dir, shared_machine, table, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
-from deltasync.manifest import MANIFEST_KEY, Manifest, summarize  # noqa: E402
-from deltasync.publisher import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, Publisher, PublishInfo  # noqa: E402
-from deltasync.subscriber import Subscriber  # noqa: E402
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, summarize  # noqa: E402
+from deltasync.publish.publisher import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, Publisher, PublishInfo  # noqa: E402
+from deltasync.replica.subscriber import Subscriber  # noqa: E402
 from deltasync.tensors import published_tensors, weights_digest  # noqa: E402
 
 JOIN_AT = (10, 50, 150, 200)  # 150: half way between two anchors of the adaptive policy
@@ -76,7 +76,7 @@ BATCH_SIZE = 4
 
 def real_workload() -> tuple[Any, Callable[[int], None]]:
     """SmolLM2-135M in fp32 and one real optimizer step per call."""
-    from deltasync.models import chat_batches, load_smollm2, train_step
+    from deltasync.demo.models import chat_batches, load_smollm2, train_step
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(dtype=torch.float32)

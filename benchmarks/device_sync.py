@@ -80,20 +80,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, results_dir, shared_machine, table, write_json  # noqa: E402
 
-from deltasync import Publisher, Subscriber, parallel  # noqa: E402
+from deltasync import Publisher, Subscriber  # noqa: E402
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.appliers.apply import write_patches  # noqa: E402
 from deltasync.appliers.mapping import IndexMap, Target, from_start  # noqa: E402
 from deltasync.appliers.verify import check_written  # noqa: E402
-from deltasync.appliers.worker_decode import decode_here  # noqa: E402
+from deltasync.appliers.vllm.rank_decode import decode_here  # noqa: E402
 from deltasync.codec import device as device_decode  # noqa: E402
 from deltasync.codec._zstd import decompress  # noqa: E402
-from deltasync.device_diff import Phases, host_waits, searched_chunks  # noqa: E402
-from deltasync.device_diff import phases as diff_phases  # noqa: E402
-from deltasync.diff import Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, file_entries, read_header  # noqa: E402
+from deltasync.publish.diff import Snapshot, diff  # noqa: E402
+from deltasync.publish.diff.device import host_waits, searched_chunks  # noqa: E402
+from deltasync.publish.diff.device import phases as diff_phases  # noqa: E402
 from deltasync.stores import LocalStore  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view  # noqa: E402
+from deltasync.tensors.device import Phases  # noqa: E402
+from deltasync.util import threads as parallel  # noqa: E402
 
 TENSORS = 64
 """The synthetic model's tensors by default (``--tensors``): 2M elements each at 128M parameters."""
@@ -117,7 +119,7 @@ def spread(fn: Callable[[], Any], repeats: int, device: torch.device) -> dict[st
 
 
 def per_call(phases: Phases, calls: int) -> dict[str, float]:
-    """A device path's host seconds per phase (:class:`~deltasync.device_diff.Phases`) since the last
+    """A device path's host seconds per phase (:class:`~deltasync.publish.diff.device.Phases`) since the last
     ``take()``, per call of ``calls``."""
     return {phase: seconds / calls for phase, seconds in phases.take().items()}
 
@@ -209,7 +211,7 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, or of a checkpoint directory's files (its index's, else all)."""
     from safetensors.torch import load_file
 
-    from deltasync.appliers.checkpoint_files import checkpoint_files
+    from deltasync.appliers.checkpoint.files import checkpoint_files
 
     try:
         files = checkpoint_files(Path(path)) if Path(path).is_dir() else [Path(path)]
@@ -234,7 +236,7 @@ def store_floor(sizes: list[int], source: torch.Tensor, target: torch.Tensor, ro
 
     import blake3
 
-    from deltasync.subscriber import FETCH_WORKERS
+    from deltasync.replica.subscriber import FETCH_WORKERS
 
     host, dest = source.view(torch.uint8).numpy(), target.view(-1).view(torch.uint8)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -479,7 +481,7 @@ def checkpoint_bytes(path: str) -> tuple[int, int]:
     them), read from its files' headers: what its masters will take, before any is loaded."""
     from safetensors import safe_open
 
-    from deltasync.appliers.checkpoint_files import checkpoint_files
+    from deltasync.appliers.checkpoint.files import checkpoint_files
     from deltasync.format.layout import SAFETENSORS_DTYPES
 
     try:

@@ -1,7 +1,7 @@
 """End to end: from ``Publisher.publish()`` to every replica holding that version, against full checkpoints.
 
 A trainer publishes real SmolLM2-135M-Instruct updates (fp32 masters, AdamW at
-lr 3e-6, the chat batches of :mod:`deltasync.models`) through a store to 1, 2
+lr 3e-6, the chat batches of :mod:`deltasync.demo.models`) through a store to 1, 2
 and 4 replicas, each holding bf16 weights loaded from the starting checkpoint.
 Per version and per configuration it measures:
 
@@ -70,10 +70,10 @@ from _common import human_bytes, loopback_store, median, results_dir, shared_mac
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.errors import DeltaSyncError, ObjectNotFound  # noqa: E402
-from deltasync.manifest import MANIFEST_KEY, Manifest  # noqa: E402
-from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest  # noqa: E402
+from deltasync.publish.publisher import Publisher, PublishInfo  # noqa: E402
+from deltasync.replica.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.stores import Store, open_store  # noqa: E402
-from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.tensors import published_tensors, weights_digest  # noqa: E402
 
 STORES = ("local", "s3", "hf")
@@ -114,7 +114,7 @@ class Recording:
 
 def checkpoint_file() -> Path:
     """The bf16 safetensors file of SmolLM2-135M-Instruct (converted once, cached)."""
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     return smollm2_checkpoint() / "model.safetensors"
 
@@ -131,8 +131,8 @@ def record_steps(steps: int, lr: float = LR, batch_size: int = BATCH_SIZE) -> Re
     """Train ``steps`` real optimizer steps once and record each step's bf16 changes (cached on disk)."""
     from safetensors.torch import load_file, save_file
 
-    from deltasync.diff import Snapshot, diff
-    from deltasync.models import CACHE_DIR, chat_batches, load_smollm2, train_step
+    from deltasync.demo.models import CACHE_DIR, chat_batches, load_smollm2, train_step
+    from deltasync.publish.diff import Snapshot, diff
 
     stem = f"replay-smollm2-lr{lr:g}-bs{batch_size}"
     cached = sorted(CACHE_DIR.glob(f"{stem}-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))

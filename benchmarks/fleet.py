@@ -5,11 +5,11 @@ A publisher in this process applies random sparse updates to a synthetic model
 elements) and publishes ``--versions`` deltas after an anchor, one at a time: it
 publishes version v, waits until every replica holds it, then trains the next
 step. Each replica is a spawned process with a real
-:class:`~deltasync.subscriber.Subscriber` and
+:class:`~deltasync.replica.subscriber.Subscriber` and
 :class:`~deltasync.appliers.TorchModuleApplier`; its store is tapped by a
 :class:`CountingStore` *below* the cache, so what the tap counts is what the
 object store served. With ``cache_dir`` the replicas share one
-:class:`~deltasync.cache.CachedStore` directory (``/dev/shm``).
+:class:`~deltasync.replica.cache.CachedStore` directory (``/dev/shm``).
 
 Per version: the time from the manifest commit until the last replica applied
 it, and the requests and bytes of version objects the store served to the whole
@@ -54,11 +54,12 @@ from _common import human_bytes, loopback_store, machine, median, results_dir, t
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.demo import CommitHasher  # noqa: E402
 from deltasync.demo.workload import make_weights, train_step  # noqa: E402
-from deltasync.manifest import MANIFEST_KEY  # noqa: E402
-from deltasync.publisher import Publisher  # noqa: E402
+from deltasync.protocol.manifest import MANIFEST_KEY  # noqa: E402
+from deltasync.publish.publisher import Publisher  # noqa: E402
+from deltasync.replica.cache import CachedStore  # noqa: E402
+from deltasync.replica.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.stores import ObjectInfo, Store, open_store  # noqa: E402
 from deltasync.stores.wrap import DelegatingStore  # noqa: E402
-from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.tensors import published_tensors, weights_digest  # noqa: E402
 
 REPLICAS = 8
@@ -136,7 +137,7 @@ def replica_main(name: str, conn: Connection) -> None:
             weights = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in make_weights(scale).items()}
             applier = TorchModuleApplier(weights)
             tap = CountingStore(open_store(url, **options))
-            store = open_store(tap, cache_dir=cache_dir) if cache_dir else tap
+            store = CachedStore(tap, cache_dir) if cache_dir else tap
 
             def on_update(info: UpdateInfo, applier: TorchModuleApplier = applier, tap: CountingStore = tap) -> None:
                 when = time.time()  # the version is in place: hashing below is bookkeeping

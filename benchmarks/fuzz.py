@@ -16,7 +16,7 @@ mutated inputs through the code that reads them, the way a replica does:
   selection from a store, the header pinned by its hash as the manifest would, each tensor checked
   against its digest), then the fetcher's checks and decode of what came back;
 - ``inspect``: what ``deltasync inspect`` makes of a file (``cli.inspect.describe``): anyone's file;
-- ``manifest``: :meth:`deltasync.manifest.Manifest.from_bytes`, then, for a
+- ``manifest``: :meth:`deltasync.protocol.manifest.Manifest.from_bytes`, then, for a
   manifest that parses, ``plan_route`` from a random version and
   ``plan_retention`` (what a replica and a publisher do with it next);
 - ``object``: the check of an object referenced by its entries
@@ -69,16 +69,16 @@ from _common import RESULTS, machine, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.appliers.mapping import IndexMap  # noqa: E402
-from deltasync.appliers.worker_decode import decode_here  # noqa: E402
+from deltasync.appliers.vllm.rank_decode import decode_here  # noqa: E402
 from deltasync.cli.inspect import describe  # noqa: E402
-from deltasync.diff import Snapshot, diff  # noqa: E402
-from deltasync.digests import hexdigest  # noqa: E402
 from deltasync.errors import DeltaSyncError, IntegrityError  # noqa: E402
 from deltasync.format import decode, encode_anchor, encode_delta, read_header  # noqa: E402
 from deltasync.format.check import intact_by_entries  # noqa: E402
 from deltasync.format.decode import decode_entries  # noqa: E402
-from deltasync.manifest import Manifest, ObjectRef, plan_retention, plan_route  # noqa: E402
-from deltasync.ranged import fetch_tensors  # noqa: E402
+from deltasync.format.digests import hexdigest  # noqa: E402
+from deltasync.protocol.manifest import Manifest, ObjectRef, plan_retention, plan_route  # noqa: E402
+from deltasync.publish.diff import Snapshot, diff  # noqa: E402
+from deltasync.replica.ranged import fetch_tensors  # noqa: E402
 from deltasync.stores import MemoryStore  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"

@@ -8,14 +8,14 @@ only, a few steps on four short texts, one version published per step. For
 every learning rate and rank, the bytes of one version as:
 
 - (i) ``merged``: the sparse delta deltasync publishes from
-  :class:`deltasync.peft.MergedWeights` (default codec), which a replica that
+  :class:`deltasync.publish.peft.MergedWeights` (default codec), which a replica that
   loaded the *base* checkpoint applies in place;
 - (ii) ``adapter``: every LoRA A and B matrix in bf16, what shipping the
   adapter itself as a vLLM LoRA costs per version;
 - (iii) ``adapter delta``: a deltasync delta of those A/B tensors against the
   previous version (same codec);
 - (iv) ``dense``: the whole model in bf16;
-- (v) ``auto``: the delta deltasync publishes from :class:`deltasync.lora.LoraWeights`
+- (v) ``auto``: the delta deltasync publishes from :class:`deltasync.publish.lora.LoraWeights`
   in ``mode="auto"``, which diffs both exact forms at every publish and sends
   the one estimated smaller: the merged weights' sparse delta (as (i), factors
   zero) or the adapter form (frozen base weights, the live factors in fp32, so
@@ -68,9 +68,9 @@ def run(lr: float, rank: int, steps: int) -> dict[str, Any]:
 
     from deltasync import Publisher, Subscriber
     from deltasync.appliers import TorchModuleApplier
-    from deltasync.lora import LoraWeights
-    from deltasync.models import load_smollm2
-    from deltasync.peft import MergedWeights
+    from deltasync.demo.models import load_smollm2
+    from deltasync.publish.lora import LoraWeights
+    from deltasync.publish.peft import MergedWeights
     from deltasync.stores import MemoryStore
     from deltasync.tensors import published_tensors
     from tests.vllm_helpers import TEXTS

@@ -161,7 +161,7 @@ def entry_bytes(blob: bytes) -> dict[str, int]:
 
 def delta_blob(store: Any, version: int) -> bytes:
     """The delta object of ``version`` in a store, found through its manifest."""
-    from deltasync.manifest import MANIFEST_KEY, Manifest
+    from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 
     entry = Manifest.from_bytes(store.get(MANIFEST_KEY)).entry(version)
     assert entry is not None and len(entry.delta) == 1, f"v{version}: expected one delta object"
@@ -215,7 +215,7 @@ def version_figures(
 def train_and_publish(model_dir: Path, lr: float, steps: int, seed: int, work: Path, experts_total: int) -> Run:
     """``steps`` AdamW steps at ``lr``, each published by a default-codec and a ``raw`` publisher."""
     from deltasync.codec import DEFAULT_CODEC
-    from deltasync.publisher import Publisher
+    from deltasync.publish.publisher import Publisher
     from tests.vllm_helpers import Trainer
 
     trainer = Trainer(model_dir, lr=lr, seed=seed)
@@ -273,10 +273,10 @@ def expert_entry_bytes(store: Any, ref: Any) -> dict[str, int]:
 
 
 def expert_parallel_reads(runs: list[Run], experts: int) -> dict[str, list[dict[str, Any]]]:
-    """Per version, bytes each EP rank range-reads (``deltasync.ranged``, default gap) vs the whole object."""
-    from deltasync.keys import MANIFEST_KEY
-    from deltasync.manifest import Manifest
-    from deltasync.ranged import fetch_tensors
+    """Per version, bytes each EP rank range-reads (``deltasync.replica.ranged``, default gap) vs the whole object."""
+    from deltasync.protocol.keys import MANIFEST_KEY
+    from deltasync.protocol.manifest import Manifest
+    from deltasync.replica.ranged import fetch_tensors
     from deltasync.stores import open_store
 
     out: dict[str, list[dict[str, Any]]] = {}
@@ -331,7 +331,7 @@ def patch_packed(
     """
     import vllm._custom_ops as ops
 
-    from deltasync.appliers.cpu_experts import prepack_permutation
+    from deltasync.appliers.vllm.cpu_experts import prepack_permutation
 
     kernel_isa = isa()
     cases = []  # one per packed tensor: everything the three ways need, prepared outside the timing
@@ -443,7 +443,7 @@ def held_digests(llm: Any) -> dict[str, str]:
 
 def make_follower(llm: Any, model_dir: Path) -> Any:
     """A :class:`VLLMFollower` that keeps the worker figures of every apply (one per version of a route)."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
 
     class RecordingFollower(VLLMFollower):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -490,7 +490,7 @@ def expert_payload(before: Mapping[str, torch.Tensor], after: Mapping[str, torch
 
 def worker_apply(follower: Any, payload: dict[str, Any], verify: int, repeats: int) -> dict[str, Any]:
     """Median worker figures of ``deltasync_apply`` with ``payload`` (already held, so repeats are idempotent)."""
-    from deltasync.appliers.wire import pack
+    from deltasync.appliers.vllm.wire import pack
 
     blob = pack(payload, text=False)
     answers = [follower._rpc("deltasync_apply", blob, None, verify)[0] for _ in range(repeats)]
@@ -559,7 +559,7 @@ def load_full_with_plain_weights(worker: Any, checkpoint: str, repeats: int) -> 
     put back where the loaders look; ms per repeat. The packed copies are not refreshed: a time reference."""
     import safetensors.torch
 
-    from deltasync.appliers.cpu_hooks import plain_weights_attached
+    from deltasync.appliers.vllm.cpu_hooks import plain_weights_attached
 
     tensors = safetensors.torch.load_file(str(Path(checkpoint) / "model.safetensors"))
     model = worker.get_model()
@@ -699,8 +699,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     began, load_before = time.perf_counter(), os.getloadavg()
 
-    from deltasync.appliers.cpu_experts import install_expert_hooks
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.appliers.vllm.cpu_experts import install_expert_hooks
+    from deltasync.demo.models import smollm2_checkpoint
 
     if not install_expert_hooks():
         raise SystemExit("vLLM's CPU MoE prepack op is not available (pip install vllm, CPU build)")
@@ -741,7 +741,7 @@ def main() -> None:
         "expert_parallel_reads": {
             "how": "each simulated EP rank holds experts [rank*E/ep, (rank+1)*E/ep) of every layer (vLLM's linear "
                    "placement, as the EP=2 engine in tests/test_moe.py shows) and every non-expert tensor; it "
-                   "range-reads just those tensors, verified per tensor (deltasync.ranged, 256 KiB gap)",
+                   "range-reads just those tensors, verified per tensor (deltasync.replica.ranged, 256 KiB gap)",
             "runs": ep_reads,
         },
         "constants": constants,

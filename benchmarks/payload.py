@@ -63,9 +63,9 @@ from _common import (  # noqa: E402
 from _entropy import entropy_floors  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
-from deltasync.diff import Snapshot, diff  # noqa: E402
+from deltasync.demo.models import chat_batches, load_smollm2, train_step  # noqa: E402
 from deltasync.format import decode, encode_delta  # noqa: E402
-from deltasync.models import chat_batches, load_smollm2, train_step  # noqa: E402
+from deltasync.publish.diff import Snapshot, diff  # noqa: E402
 from deltasync.tensors import bits_view, published_tensors  # noqa: E402
 
 # compact-exp and exp-rice code positions per base exponent: an O(numel) pass per version on both sides (slow links).

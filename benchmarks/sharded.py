@@ -4,7 +4,7 @@ A synthetic bf16 model (``--params``, default 200M elements in 16 tensors) is he
 by every rank of a data-parallel job (gloo on CPU); each version changes
 ``--density`` of the elements at random, identically on every rank (as
 all-reduced gradients would). Every rank publishes with
-:class:`~deltasync.sharded.ShardedPublisher`, so each diffs, encodes and uploads
+:class:`~deltasync.publish.sharded.ShardedPublisher`, so each diffs, encodes and uploads
 1/world of the rows; world = 1 runs the plain :class:`~deltasync.Publisher` in
 one process as the baseline. Every process uses one torch thread. Per version and world size, medians over versions:
 
@@ -23,7 +23,7 @@ the table shows. Writes ``benchmarks/results/sharded.json``.
 ``--zero3`` builds the model under DeepSpeed's ``zero.Init`` on 2 ranks (each
 holds a flat fp32 slice of every parameter), changes ``--density`` of every
 slice per version, and publishes it two ways, each in fresh processes: every
-rank diffs and uploads its own slices (:class:`~deltasync.sharded.ShardedPublisher`),
+rank diffs and uploads its own slices (:class:`~deltasync.publish.sharded.ShardedPublisher`),
 or the ranks gather each parameter in turn (``GatheredParameters``) so that
 rank 0 holds a bf16 copy of the whole model and publishes it with the plain
 :class:`~deltasync.Publisher`. Per rank: publish time to commit (median over
@@ -70,7 +70,7 @@ def update(weights: dict[str, torch.Tensor], version: int, density: float) -> No
 
 def _run(world: int, rank: int, args: argparse.Namespace, url: str) -> dict[str, Any]:
     """One rank's (or the single process's) publishing loop; returns its timings."""
-    from deltasync.publisher import Publisher, PublishInfo
+    from deltasync.publish.publisher import Publisher, PublishInfo
 
     weights = make_weights(args.params)
     infos: list[PublishInfo] = []
@@ -78,7 +78,7 @@ def _run(world: int, rank: int, args: argparse.Namespace, url: str) -> dict[str,
     if world == 1:
         publisher: Any = Publisher(weights, url, **options)
     else:
-        from deltasync.sharded import ShardedPublisher
+        from deltasync.publish.sharded import ShardedPublisher
 
         publisher = ShardedPublisher(weights, url, **options)
     calls, commits = [], []
@@ -123,9 +123,9 @@ def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, url: 
 
 def _time_last_hop(url: str, params: int, latest: int) -> float:
     from deltasync.appliers import TorchModuleApplier
-    from deltasync.manifest import Manifest
+    from deltasync.protocol.manifest import Manifest
+    from deltasync.replica.subscriber import Subscriber
     from deltasync.stores import open_store
-    from deltasync.subscriber import Subscriber
 
     replica = make_weights(params)
     for version in range(1, latest):
@@ -234,7 +234,7 @@ def _zero3_rank(rank: int, world: int, init: str, path: str, args: argparse.Name
         times = []
         publisher: Any = None
         if path == "slices":
-            from deltasync.sharded import ShardedPublisher
+            from deltasync.publish.sharded import ShardedPublisher
 
             publisher = ShardedPublisher(model, url, anchor_every=10_000, anchor_ratio=1e9)
         for version in range(args.versions + 1):
@@ -257,7 +257,7 @@ def _zero3_rank(rank: int, world: int, init: str, path: str, args: argparse.Name
                             full[name] = p.detach().to(torch.bfloat16).clone()
                 if rank == 0:
                     if publisher is None:
-                        from deltasync.publisher import Publisher
+                        from deltasync.publish.publisher import Publisher
 
                         publisher = Publisher(full, url, anchor_every=10_000, anchor_ratio=1e9)
                     else:

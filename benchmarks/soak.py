@@ -51,11 +51,11 @@ from _common import human_bytes, loopback_store, machine, write_json  # noqa: E4
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.demo.workload import make_weights, train_step  # noqa: E402
-from deltasync.manifest import MANIFEST_KEY, Manifest  # noqa: E402
-from deltasync.publisher import Publisher, PublishInfo  # noqa: E402
-from deltasync.retired import named_keys  # noqa: E402
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest  # noqa: E402
+from deltasync.protocol.retired import named_keys  # noqa: E402
+from deltasync.publish.publisher import Publisher, PublishInfo  # noqa: E402
+from deltasync.replica.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.stores import open_store  # noqa: E402
-from deltasync.subscriber import Subscriber, UpdateInfo  # noqa: E402
 from deltasync.tensors import weights_digest as digest  # noqa: E402
 
 RSS_EVERY_S = 1.0  # replicas report their resident memory this often
@@ -231,7 +231,7 @@ class Soak:
 
     def on_publish(self, info: PublishInfo) -> None:
         self.infos.append(info)
-        self.snapshot_digests[info.version] = digest(self.publisher._snapshot.items())  # type: ignore[union-attr]
+        self.snapshot_digests[info.version] = digest(self.publisher.snapshot.items())  # type: ignore[union-attr]
 
     def run(self) -> dict[str, Any]:
         args = self.args

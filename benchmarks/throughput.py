@@ -3,8 +3,8 @@
 For each model size and density (fraction of elements changed) it times, on
 the package's own code paths:
 
-- publish: :func:`deltasync.diff.diff` of the live bf16 weights against a
-  :class:`~deltasync.diff.Snapshot`, then :func:`deltasync.format.encode_delta`
+- publish: :func:`deltasync.publish.diff.snapshot.diff` of the live bf16 weights against a
+  :class:`~deltasync.publish.diff.snapshot.Snapshot`, then :func:`deltasync.format.encode_delta`
   (index and value coding, zstd, the safetensors container) per codec;
 - apply: what a subscriber does with the file: ``read_header``, the applier's
   ``validate``, ``decode`` (with the base lookup base-relative codecs need)
@@ -50,9 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import human_bytes, machine, median, results_dir, table, timed, write_json  # noqa: E402
 
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
-from deltasync.diff import ChangeSet, Snapshot, diff  # noqa: E402
 from deltasync.format import decode, encode_delta, read_header  # noqa: E402
-from deltasync.tensors import bits_view  # noqa: E402
+from deltasync.publish.diff import Snapshot, diff
+from deltasync.tensors import (
+    ChangeSet,  # noqa: E402
+    bits_view,  # noqa: E402
+)
 
 HIDDEN = {"10M": 512, "30M": 768, "100M": 1024, "300M": 1536, "1B": 2048}
 LAYERS = {"10M": 3, "30M": 4, "100M": 8, "300M": 11, "1B": 20}
@@ -281,7 +284,7 @@ def summarize(rows: list[dict[str, Any]], quick: bool, partial: bool) -> dict[st
                  "same over the minimum times (least disturbed by other load); largest_model: plain ratios at the "
                  "largest model for each density (ne and diff per parameter, the rest per changed element), from "
                  "median and from minimum times; the cost per change depends on density. Stages: ne = bare "
-                 "torch.ne, diff = deltasync.diff.diff, encode_<codec> = "
+                 "torch.ne, diff = deltasync.publish.diff.snapshot.diff, encode_<codec> = "
                  "encode_delta, decode_<codec> = read_header + validate + decode, apply = TorchModuleApplier.apply, "
                  "index_copy = bare index_copy_, index_put = bare index_put_.",
         "fit": fit_constants(rows),

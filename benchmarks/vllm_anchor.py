@@ -5,7 +5,7 @@ anchor. A server's ``/collective_rpc`` carries JSON only, so the follower used
 to send an anchor's tensors as base64 text; an in-process ``LLM`` pickles them
 to its engine's processes in 64 MB calls. Where the engine runs on the
 follower's machine the follower now drops the anchor's files in ``/dev/shm``
-and sends their paths (``deltasync.appliers.file_drop``). SmolLM2-135M (TP=1,
+and sends their paths (``deltasync.appliers.vllm.file_drop``). SmolLM2-135M (TP=1,
 plain weights) in a vLLM CPU server and in an in-process ``LLM``, one follower
 of each kind on the same engine; each round publishes a fresh anchor (every
 element changed: the bit patterns of alternate rounds differ in their last bit)
@@ -63,8 +63,8 @@ KINDS = {  # kind: (the follower's anchor_files, the row's label per engine)
 def measure(engine: Any, reload_weights: Any, model: str, weight_sets: list, dirs: list[Path], work: Path,
             rounds: int) -> tuple[dict[str, list[dict[str, float]]], int]:
     """Each kind's update per round on one engine (a server's URL or an ``LLM``), the kinds taking turns."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
-    from deltasync.publisher import Publisher
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.publish.publisher import Publisher
     from tests.vllm_helpers import assert_engine_exact
 
     samples: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
@@ -130,7 +130,7 @@ def main() -> None:
     import safetensors.torch
     import torch
 
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
     from tests.test_trl import _example
     from tests.vllm_helpers import engine as in_process_engine
     from tests.vllm_helpers import save_checkpoint

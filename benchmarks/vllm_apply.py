@@ -56,11 +56,11 @@ def main() -> None:
     import safetensors.torch
     import torch
 
-    from deltasync.appliers.vllm_follower import VLLMFollower
-    from deltasync.appliers.wire import pack
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.appliers.vllm.wire import pack
+    from deltasync.demo.models import smollm2_checkpoint
     from deltasync.format import decode
-    from deltasync.models import smollm2_checkpoint
-    from deltasync.publisher import Publisher
+    from deltasync.publish.publisher import Publisher
     from tests.vllm_helpers import BENCH_EXTENSION, Trainer, assert_engine_exact, engine, latest, save_checkpoint
 
     ckpt = smollm2_checkpoint()

@@ -2,6 +2,7 @@
 
     python conformance/build.py                          # rewrites conformance/golden and conformance/broken
     python conformance/build.py shapes-bf16-exp-rice     # (re)builds one golden case, keeping the others
+    python conformance/build.py schema-below-digests     # (re)builds one broken copy of a kept golden case
 
 The stores are written through the public API (``Publisher``) from weights
 edited bit by bit, so every feature a reader must handle appears on purpose:
@@ -25,6 +26,7 @@ and times, so it replaces the suite rather than reproducing it byte for byte.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import shutil
@@ -47,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 from check import digests  # noqa: E402
 
 from deltasync import Publisher  # noqa: E402
-from deltasync.digests import hasher, hexdigest  # noqa: E402
-from deltasync.format import raw_header, read_header  # noqa: E402
+from deltasync.format import header_ref, raw_header, read_header  # noqa: E402
+from deltasync.format.digests import hasher, hexdigest  # noqa: E402
 from deltasync.format.layout import pack  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
 
@@ -219,7 +221,8 @@ def multipart_retired_case(root: Path) -> None:
 def golden_cases() -> dict[str, Callable[[Path], None]]:
     """Every golden case by name, with what builds it."""
     return {
-        **{f"shapes-bf16-{codec}": shapes_case(codec) for codec in ("compact", "compact-abs", "compact-exp", "exp-rice", "raw")},
+        **{f"shapes-bf16-{codec}": shapes_case(codec)
+           for codec in ("compact", "compact-abs", "compact-exp", "exp-rice", "raw")},
         "dtypes-f16-f32-compact": dtypes_case,
         "anchors-multipart-retired": multipart_retired_case,
         "sharded-2-ranks": sharded,
@@ -262,23 +265,34 @@ def packed_case(root: Path) -> None:
     write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000, part_bytes=4 << 10))
 
 
-def broken_by_entries(out: Path, source: Path) -> None:
+def copy_broken(
+    root: Path, source: Path, case: dict[str, Any], fault: Callable[[Path], None], *, version: int, error: str,
+    why: str, versions: int | None = None,
+) -> None:
+    """A copy of the case at ``source`` in ``root``, its store edited by ``fault``: the reader holds the versions
+    below ``versions`` (default ``version``) and refuses ``version`` with ``error``."""
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(source / "store", root / "store")
+    fault(root / "store")
+    kept = {v: d for v, d in case["versions"].items() if int(v) < (version if versions is None else versions)}
+    refuse = {"version": version, "error": error, "why": why}
+    (root / "case.json").write_text(
+        json.dumps({**case, "versions": kept, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
+    )
+
+
+def broken_by_entries(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
     """Copies of the ``blake3-entries`` case, its first anchor the only one, damaged where only its entries'
-    digests can tell: a reader that checks the header alone would accept them."""
+    digests can tell (a reader that checks the header alone would accept them), or with a malformed header
+    that its digest pins; ``only`` these, by name."""
     manifest = json.loads((source / "store" / "manifest.json").read_text())
     ref = manifest["versions"][0]["anchor"][0]
     case = json.loads((source / "case.json").read_text())
 
     def make(name: str, why: str, fault: Callable[[Path], None]) -> None:
-        root = out / name
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.copytree(source / "store", root / "store")
-        only_first_anchor(root / "store")
-        fault(root / "store")
-        refuse = {"version": 0, "error": "IntegrityError", "why": why}
-        (root / "case.json").write_text(
-            json.dumps({**case, "versions": {}, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
-        )
+        if only is None or name in only:
+            edit = lambda store: (only_first_anchor(store), fault(store))  # noqa: E731
+            copy_broken(out / name, source, case, edit, version=0, error="IntegrityError", why=why)
 
     def only_first_anchor(store: Path) -> None:  # every route then starts at the damaged anchor
         edited = json.loads((store / "manifest.json").read_text())
@@ -299,8 +313,87 @@ def broken_by_entries(out: Path, source: Path) -> None:
         edited["versions"][0]["anchor"][0]["size"] = len(data)  # the size matches; no tensor covers the tail
         (store / "manifest.json").write_text(json.dumps(edited, indent=1, ensure_ascii=False))
 
+    def malformed(store: Path) -> None:
+        data = (store / ref["key"]).read_bytes()
+        length = struct.unpack("<Q", data[:8])[0]
+        text = data[8 : 8 + length].decode()
+        assert '"format_version":"3"' in text, "the anchor's metadata was not found verbatim"
+        _repin(store, 0, 0, _file(text.replace('"format_version":"3"', '"format_version":"03"', 1).rstrip(),
+                                  data[8 + length :]))
+
     make("flipped-byte-entries", "one byte of a tensor differs from the BLAKE3 its anchor's header lists", flip)
     make("unhashed-tail-entries", "8 bytes after the last tensor, in the manifest's size but in no entry", tail)
+    make("malformed-header-entries", "the anchor's header spells format_version '03' (not canonical); the "
+         "manifest pins that header, so the object cannot be shown intact", malformed)
+
+
+def broken_walks(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
+    """Copies of the ``blake3-entries`` case that break a rule of the store as a whole, which a reader meets as it
+    walks it: a manifest that breaks a rule of its own (refused as a whole: ``refuse.version`` -1), and an anchor
+    that differs from the delta of its version; ``only`` these, by name."""
+    case = json.loads((source / "case.json").read_text())
+
+    def make(name: str, version: int, error: str, why: str, fault: Callable[[Path], None]) -> None:
+        if only is None or name in only:
+            copy_broken(out / name, source, case, fault, version=version, error=error, why=why)
+
+    def edit_manifest(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+        def fault(store: Path) -> None:
+            manifest = json.loads((store / "manifest.json").read_text())
+            edit(manifest)
+            (store / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+
+        return fault
+
+    def lower_schema(manifest: dict[str, Any]) -> None:
+        assert manifest["schema"] == 3
+        manifest["schema"] = 2  # a schema 2 reader knows no blake3-entries digest
+
+    def second_header_digest(manifest: dict[str, Any]) -> None:
+        header = manifest["versions"][1]["delta"][0]["header"]
+        header["sha256"] = header["blake3"]  # which of the two would a reader check?
+
+    def anchor_differs(store: Path) -> None:
+        manifest = json.loads((store / "manifest.json").read_text())
+        entry = next(v for v in manifest["versions"] if v.get("delta") and v.get("anchor"))
+        data = bytearray((store / entry["anchor"][0]["key"]).read_bytes())
+        header, _ = _header(bytes(data))
+        last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+        data[-1] ^= 0x01  # the last tensor's last byte; its entry digest, the header's and the manifest's follow
+        _repin(store, entry["version"], 0, _set_entry_digest(bytes(data), last))
+
+    make("schema-below-digests", -1, "ManifestError",
+         "the manifest says schema 2 but lists blake3-entries references, which need schema 3",
+         edit_manifest(lower_schema))
+    make("header-digest-twice", -1, "ManifestError",
+         "a header reference carries two digest keys (blake3 and sha256) where one is allowed",
+         edit_manifest(second_header_digest))
+    make("anchor-differs-from-delta", 2, "IntegrityError",
+         "version 2 lists a delta and an anchor whose weights differ in one element; each object is intact",
+         anchor_differs)
+
+
+def _repin(store: Path, version: int, part: int, data: bytes) -> None:
+    """Write ``data`` over anchor file ``part`` of ``version``, and make its ``blake3-entries`` reference pin it:
+    size, header size and header digest."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    ref = next(v for v in manifest["versions"] if v["version"] == version)["anchor"][part]
+    (store / ref["key"]).write_bytes(data)
+    size, digest = header_ref(data, "blake3")
+    ref.update({"size": len(data), "blake3-entries": digest, "header": {"size": size, "blake3-entries": digest}})
+    (store / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+
+
+def broken_alone() -> dict[str, Callable[[], None]]:
+    """The broken cases copied from a committed golden store that is never rebuilt, by name: each can be built
+    alone (``python conformance/build.py schema-below-digests``)."""
+    out, source = ROOT / "broken", ROOT / "golden" / "anchors-by-entries"
+    builders = {
+        **dict.fromkeys(("flipped-byte-entries", "unhashed-tail-entries", "malformed-header-entries"),
+                        broken_by_entries),
+        **dict.fromkeys(("schema-below-digests", "header-digest-twice", "anchor-differs-from-delta"), broken_walks),
+    }
+    return {name: functools.partial(build, out, source, only=(name,)) for name, build in builders.items()}
 
 
 # ---------------------------------------------------------------------------------------------- sharded
@@ -390,7 +483,7 @@ def _with_entry_digest(header: dict[str, Any], body: bytes, tensor: str) -> dict
 def _rank(rank: int, world: int, init: str, root: str) -> None:
     import torch.distributed as dist
 
-    from deltasync.sharded import ShardedPublisher
+    from deltasync.publish.sharded import ShardedPublisher
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -482,16 +575,8 @@ def broken(out: Path, source: Path, suffix: str = "", only: tuple[str, ...] | No
     case = json.loads((source / "case.json").read_text())
 
     def make(name: str, error: str, why: str, fault: Callable[[Path], None]) -> None:
-        if only is not None and name not in only:
-            return
-        root = out / f"{name}{suffix}"
-        shutil.copytree(source / "store", root / "store")
-        fault(root / "store")
-        versions = {v: d for v, d in case["versions"].items() if int(v) < 2}
-        refuse = {"version": 2, "error": error, "why": why}
-        (root / "case.json").write_text(
-            json.dumps({**case, "versions": versions, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
-        )
+        if only is None or name in only:
+            copy_broken(out / f"{name}{suffix}", source, case, fault, version=2, error=error, why=why)
 
     def flip(store: Path) -> None:
         data = bytearray((store / key).read_bytes())
@@ -574,10 +659,19 @@ def main(argv: list[str]) -> None:
     and stay as they are: they prove that what was once written stays readable.
     """
     os.environ.setdefault("DELTASYNC_THREADS", "1")
+    alone = broken_alone()
+    picked = [name for name in argv if name in alone]
+    for name in picked:  # copies of a committed golden store: built alone, the store itself untouched
+        alone[name]()
+    if picked and len(picked) == len(argv):
+        print(f"wrote {', '.join(picked)} under {ROOT / 'broken'}")
+        return
+    argv = [name for name in argv if name not in alone]
     cases = golden_cases()
     unknown = set(argv) - set(cases)
     if unknown:
-        raise SystemExit(f"unknown cases {sorted(unknown)}; golden cases: {sorted(cases)}")
+        raise SystemExit(f"unknown cases {sorted(unknown)}; golden cases: {sorted(cases)}; broken cases built "
+                         f"alone: {sorted(alone)}")
     kept = {name for names in FROZEN.values() for name in names}
     frozen = set(argv) & kept
     if frozen:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT.parent))
 from deltasync.appliers import TorchModuleApplier  # noqa: E402
 from deltasync.errors import DeltaFormatError, DeltaSyncError, IntegrityError, VersionError  # noqa: E402
 from deltasync.format import combine, decode, read_header  # noqa: E402
-from deltasync.manifest import Manifest, ObjectRef  # noqa: E402
+from deltasync.protocol.manifest import Manifest, ObjectRef  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
 
 __all__ = ["Walk", "walk", "check", "cases", "digests"]
@@ -106,13 +106,19 @@ def walk(case_dir: Path) -> Walk:
                     continue  # not reachable without the versions before it
                 applier.apply(_decode_version(store, entry.anchor, "anchor", entry.version, held, applier))
             else:
-                applier.apply(_decode_version(store, entry.delta, "delta", entry.version, held, applier))
-                if entry.anchor:  # the same version twice: the anchor must hold exactly what the delta made
-                    whole = _decode_version(store, entry.anchor, "anchor", entry.version, held, applier)
-                    for name, patch in whole.items():
-                        flat = bits_view(weights[name]).reshape(-1).numpy()
-                        if not (flat[patch.start : patch.start + patch.values.size] == patch.values).all():
-                            raise IntegrityError(f"anchor v{entry.version} differs from its delta in {name}")
+                kept = {name: t.clone() for name, t in weights.items()} if entry.anchor else {}
+                try:
+                    applier.apply(_decode_version(store, entry.delta, "delta", entry.version, held, applier))
+                    if entry.anchor:  # the same version twice: the anchor must hold exactly what the delta made
+                        whole = _decode_version(store, entry.anchor, "anchor", entry.version, held, applier)
+                        for name, patch in whole.items():
+                            flat = bits_view(weights[name]).reshape(-1).numpy()
+                            if not (flat[patch.start : patch.start + patch.values.size] == patch.values).all():
+                                raise IntegrityError(f"anchor v{entry.version} differs from its delta in {name}")
+                except DeltaSyncError:
+                    for name, before in kept.items():  # the version is refused: the walk holds v - 1 again
+                        weights[name].copy_(before)
+                    raise
         except DeltaSyncError as exc:
             return Walk(reached, (entry.version, exc), weights)
         held = entry.version
@@ -153,7 +159,7 @@ def main(argv: list[str]) -> int:
     for case_dir in chosen:
         problems = check(case_dir)
         failed += bool(problems)
-        shown = case_dir.relative_to(ROOT) if case_dir.resolve().is_relative_to(ROOT) else case_dir
+        shown = case_dir.resolve().relative_to(ROOT) if case_dir.resolve().is_relative_to(ROOT) else case_dir
         print(f"{'FAIL' if problems else 'pass'}  {shown}")
         for problem in problems:
             print(f"      {problem}")

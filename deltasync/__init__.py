@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from .appliers import TorchModuleApplier
 from .errors import DeltaSyncError
-from .publisher import Publisher
-from .resume import Committed, last_committed
+from .protocol.resume import Committed, last_committed
+from .publish.publisher import Publisher
+from .replica.applier import Applier
+from .replica.subscriber import Subscriber
 from .stores import open_store
-from .subscriber import Subscriber
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Publisher", "Subscriber", "TorchModuleApplier", "open_store", "last_committed", "Committed", "DeltaSyncError",
-    "__version__",
+    "Publisher", "Subscriber", "Applier", "TorchModuleApplier", "open_store", "last_committed", "Committed",
+    "DeltaSyncError", "__version__",
 ]

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
+EXTENSION = "deltasync.appliers.vllm.worker.DeltaSyncWorkerExtension"
 SERVER_ARGS = [  # small CPU-friendly engine settings (on the CPU build gpu_memory_utilization is a share of host RAM)
     "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--enforce-eager",
     "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction expects
@@ -106,11 +106,11 @@ def start_follower(
     store: str, server: str, model: str | Path, *, replica_id: str | None = None,
     env: Mapping[str, str] | None = None, log: Any = None, lora: str | Path | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """``python -m deltasync.appliers.vllm_follower`` keeping ``server`` at the store's latest version.
+    """``deltasync follow`` keeping ``server`` at the store's latest version.
 
     ``lora``: the adapter directory of a LoRA run published with ``lora="auto"`` / ``"adapter"``.
     """
-    cmd = [sys.executable, "-m", "deltasync.appliers.vllm_follower", "--store", store, "--server", server,
+    cmd = [sys.executable, "-m", "deltasync.cli", "follow", "--store", store, "--server", server,
            "--model", str(model), "--poll-interval", "0.2", "--max-poll-interval", "1.0"]
     if replica_id:
         cmd += ["--replica-id", replica_id]
@@ -162,8 +162,8 @@ def make_trainer(
     import transformers
     from trl import GRPOConfig
 
+    from deltasync.demo.models import CHAT_PAIRS
     from deltasync.integrations import DeltaSyncGRPOTrainer
-    from deltasync.models import CHAT_PAIRS
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
@@ -200,7 +200,7 @@ def save_final(trainer: Any, path: str | Path) -> None:
     import safetensors.torch
     import torch
 
-    from deltasync.peft import MergedWeights, is_peft_model
+    from deltasync.publish.peft import MergedWeights, is_peft_model
 
     params = dict(trainer.model.named_parameters())
     main = trainer.accelerator.is_main_process
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", default=None, help="bf16 safetensors checkpoint dir (default: SmolLM2-135M)")
     args = parser.parse_args(argv)
     if args.model is None:
-        from deltasync.models import smollm2_checkpoint
+        from deltasync.demo.models import smollm2_checkpoint
 
         args.model = str(smollm2_checkpoint())
     if args.command == "replica":

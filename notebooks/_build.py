@@ -549,7 +549,7 @@ plt.show()'''),
   form is the smaller one and auto publishes it.
 - The adapter grows with the rank (its element count is proportional to `r`); the merged delta grows more slowly,
   so the crossover moves to higher learning rates at higher ranks.
-- Auto picks a form from an estimate (`deltasync.forms.wire_cost`), not from encoded sizes: per changed element,
+- Auto picks a form from an estimate (`deltasync.publish.forms.wire_cost`), not from encoded sizes: per changed element,
   index bits from the density and value bits from the size of its step, modelled on the compact codec. An
   `auto/merged` ratio above 1 where both forms were open would show the estimate choosing the larger form.
 - Every auto run ends with a replica, which followed the store from the first version, bit-identical to the form

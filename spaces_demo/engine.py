@@ -37,9 +37,9 @@ from deltasync import Publisher, Subscriber, TorchModuleApplier
 from deltasync.codec import DEFAULT_CODEC, codec_names
 from deltasync.demo import DEFAULT_LR, MAX_POLL_S, POLL_S, CommitHasher, quiet_transformers
 from deltasync.demo.board import RAW_BYTES_PER_CHANGE
+from deltasync.demo.models import CHAT_PAIRS
 from deltasync.format import Header
-from deltasync.models import CHAT_PAIRS
-from deltasync.publisher import PublishInfo
+from deltasync.publish.publisher import PublishInfo
 from deltasync.tensors import weights_digest
 
 if __package__:  # imported as spaces_demo.engine (the tests)

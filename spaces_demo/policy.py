@@ -1,6 +1,6 @@
 """The Space's policy: SmolLM2-135M-Instruct (optionally truncated) and one REINFORCE step on a toy reward.
 
-The toy task: answer the prompts of :data:`deltasync.models.CHAT_PAIRS`. Each step samples a few
+The toy task: answer the prompts of :data:`deltasync.demo.models.CHAT_PAIRS`. Each step samples a few
 completions per prompt from the trainer's current weights and scores each one with a plain rule,
 :func:`reward`: the share of the reference answer's words that the completion contains. The
 reference answer itself joins every group as one more candidate (it scores 1 by construction), so a
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deltasync.models import load_smollm2
+from deltasync.demo.models import load_smollm2
 
 __all__ = ["FULL_LAYERS", "StepResult", "load_policy", "reward", "reinforce_step", "answer"]
 

@@ -10,11 +10,12 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deltasync.stores import MemoryStore, Store, open_store
+from deltasync.stores import MemoryStore, Store, open_store, store_schemes
 
 # vLLM names a Unix socket in the temporary directory for every engine's IPC and leaves it there when the
 # engine stops: thousands over a few runs. Engines started by the tests (in process or as servers, which
@@ -23,9 +24,11 @@ if "VLLM_RPC_BASE_PATH" not in os.environ:
     os.environ["VLLM_RPC_BASE_PATH"] = _IPC_DIR = tempfile.mkdtemp(prefix="deltasync-tests-ipc-")
     atexit.register(shutil.rmtree, _IPC_DIR, ignore_errors=True)
 
-# Backends in the conformance suite; "s3" and "hf" run against real loopback servers
-# (tests/servers/<name>.py exposes serve() -> context manager with store_url/store_options).
-BACKENDS = ["memory", "local", "s3", "hf"]
+# Every registered backend runs the store suite, discovered from the registry: "local" is the "file" scheme,
+# "memory" is in process, and every other scheme runs against a real loopback server that
+# tests/servers/<scheme>.py starts (serve() -> a context manager with store_url/store_options).
+BACKENDS = ["local" if scheme == "file" else scheme for scheme in store_schemes()]
+SERVERS = Path(__file__).parent / "servers"
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +53,11 @@ def make_store(backend: str, servers: dict[str, Any], tmp_path: Any) -> Store:
         return MemoryStore(prefix)
     if backend == "local":
         return open_store(str(tmp_path / prefix))
+    if not (SERVERS / f"{backend}.py").exists():
+        raise LookupError(
+            f"store scheme {backend!r} is registered but the tests cannot start a server for it: add "
+            f"tests/servers/{backend}.py with serve()"
+        )
     server = servers["get"](backend)
     return open_store(server.store_url(prefix), **server.store_options())
 

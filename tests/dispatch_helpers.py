@@ -36,7 +36,7 @@ def without_static_nonzero(monkeypatch: Any) -> None:
     with no backend yet remembered as lacking it (``deltasync.tensors.positions``)."""
     import torch
 
-    from deltasync import tensors
+    from deltasync.tensors import device as tensors
 
     def missing(*args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from this backend")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, StoreError
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import ObjectInfo, Store
 from deltasync.stores.base import PutMode
 from deltasync.stores.wrap import DelegatingStore

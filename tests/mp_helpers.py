@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from deltasync.appliers import TorchModuleApplier
-from deltasync.subscriber import Subscriber, UpdateInfo
+from deltasync.replica.subscriber import Subscriber, UpdateInfo
 from deltasync.tensors import bits_view, published_tensors
 
 POLL_S = 0.01  # replicas poll fast: the tests wait on their reports, not on a poll interval

@@ -3,7 +3,7 @@
 Each rank joins a gloo process group, builds the same small model, shards it
 with FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3, or wraps it in DistributedDataParallel, trains a
 few AdamW steps on its own batches and publishes every step with
-:class:`~deltasync.sharded.ShardedPublisher`. After each publish every rank
+:class:`~deltasync.publish.sharded.ShardedPublisher`. After each publish every rank
 takes part in materialising the full weights (``full_tensor()``, a collective)
 so rank 0 can record what the version must hold: the reference the replicas
 are compared with, bit for bit. The reference is for the test only; the
@@ -82,7 +82,7 @@ def merged_by_peft(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def adapter_form(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter form (base weights and the factors' own bits) of a LoRA model with parameters ``state``,
     read on a fresh unsharded copy: the reference for a ZeRO-3 LoRA run published with ``lora="adapter"``."""
-    from deltasync.lora import LoraWeights
+    from deltasync.publish.lora import LoraWeights
 
     model = lora(make_model(seed=0))
     model.load_state_dict(state)
@@ -143,7 +143,7 @@ def _publishing_rank(
     import torch.distributed as dist
 
     from deltasync.errors import StoreError
-    from deltasync.sharded import ShardedPublisher
+    from deltasync.publish.sharded import ShardedPublisher
     from deltasync.stores import open_store
 
     torch.set_num_threads(1)

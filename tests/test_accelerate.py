@@ -48,8 +48,8 @@ LAUNCHES = {  # config file -> how accelerate runs the processes, and how their 
 def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path, config: str, extra: list[str]) -> None:
     import safetensors.torch
 
-    from deltasync.appliers.vllm_follower import VLLMFollower, checkpoint_specs
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.appliers.vllm.follower import VLLMFollower, checkpoint_specs
+    from deltasync.demo.models import smollm2_checkpoint
     from tests.test_trl import _example
     from tests.vllm_helpers import assert_engine_exact
 
@@ -84,8 +84,8 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
         assert_engine_exact(reader, weights)
     # One object per rank per version: the ranks published their own slices. A LoRA model's merged
     # weights need whole factors and rows: the ranks gathered and the main process published them whole.
-    from deltasync.keys import MANIFEST_KEY
-    from deltasync.manifest import Manifest
+    from deltasync.protocol.keys import MANIFEST_KEY
+    from deltasync.protocol.manifest import Manifest
     from deltasync.stores import open_store
 
     manifest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY))
@@ -97,8 +97,8 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
 def _wait_for_last_version(reader: Any, store: str, timeout: float = 120.0) -> None:
     import time
 
-    from deltasync.keys import MANIFEST_KEY
-    from deltasync.manifest import Manifest
+    from deltasync.protocol.keys import MANIFEST_KEY
+    from deltasync.protocol.manifest import Manifest
     from deltasync.stores import open_store
 
     latest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY)).latest

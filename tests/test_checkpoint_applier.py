@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltasync.appliers.checkpoint import (
+from deltasync.appliers.checkpoint.applier import (
     CheckpointDirApplier,
     CheckpointState,
     read_state,
     write_empty_checkpoint,
 )
-from deltasync.diff import Snapshot, diff
 from deltasync.errors import DeltaFormatError, FingerprintMismatch, TensorMismatch, VersionError
 from deltasync.format import decode, encode_anchor, encode_delta, read_header
-from deltasync.subscriber import Subscriber
+from deltasync.publish.diff import Snapshot, diff
+from deltasync.replica.subscriber import Subscriber
 from deltasync.tensors import TensorSpec, fingerprint
 
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.cli import main
-from deltasync.manifest import MANIFEST_KEY, Manifest
-from deltasync.publisher import Publisher
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
+from deltasync.publish.publisher import Publisher
+from deltasync.replica.subscriber import Subscriber
 from deltasync.stores import LocalStore
-from deltasync.subscriber import Subscriber
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -63,8 +63,8 @@ class TestInspect:
                                               for t in info["tensors"])
 
     def test_a_packed_delta_shows_its_streams_and_header(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-        from deltasync.diff import Snapshot, diff
         from deltasync.format import encode_delta
+        from deltasync.publish.diff import Snapshot, diff
 
         base = {"embed.weight": torch.zeros(12, 8, dtype=torch.bfloat16), "norm.weight": torch.ones(8, dtype=torch.bfloat16)}
         target = {k: v.clone() for k, v in base.items()}
@@ -466,7 +466,7 @@ class TestGc:
             raw["lease_until"] = time.time() + lease_s
             path.write_text(json.dumps(raw))
         manifest = Manifest.from_bytes(path.read_bytes())
-        from deltasync.retired import read_retired
+        from deltasync.protocol.retired import read_retired
 
         # Retired keys are listed beside the manifest, which replicas re-read: it stays O(live versions).
         assert manifest.retired == ()
@@ -573,7 +573,7 @@ class TestLeftovers:
         assert list(LocalStore(url).temporaries()) == []
 
     def test_a_live_lease_is_refused_before_the_model_is_copied(self, trainer: Any, monkeypatch: Any) -> None:
-        import deltasync.publisher as publisher_module
+        import deltasync.publish.publisher as publisher_module
         from deltasync.errors import ConflictError
 
         url, model, publisher, gen = trainer
@@ -600,9 +600,9 @@ class TestLeftovers:
 def test_a_damaged_payload_and_a_wrong_base_are_told_apart(tmp_path: Path) -> None:
     """A delta's bytes altered after publishing (with a manifest forged to match) vs a receiver whose weights
     are not the delta's base: both refused, each error naming the side at fault."""
-    from deltasync.diff import Snapshot, diff
     from deltasync.errors import IntegrityError
     from deltasync.format import decode, encode_delta
+    from deltasync.publish.diff import Snapshot, diff
 
     weights = {"w": torch.randn(4096) * 0.02}
     snapshot = Snapshot.capture(weights)
@@ -661,7 +661,7 @@ def test_the_follower_waits_for_its_server_and_fails_in_one_line(tmp_path: Path)
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     save_file({"w": torch.zeros(4)}, str(checkpoint / "model.safetensors"))
-    base = [sys.executable, "-m", "deltasync.appliers.vllm_follower", "--store", str(tmp_path / "run"),
+    base = [sys.executable, "-m", "deltasync.cli", "follow", "--store", str(tmp_path / "run"),
             "--server", "http://127.0.0.1:9"]
     done = subprocess.run([*base, "--model", str(checkpoint), "--wait-for-server", "2"], capture_output=True,
                           text=True, timeout=120)

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.codec import codec_names, get_codec, register_codec
-from deltasync.diff import Snapshot, diff
 from deltasync.format import decode, encode_anchor, encode_delta, read_header
+from deltasync.publish.diff import Snapshot, diff
 
-SPARSE_CODECS = ["compact", "compact-abs", "compact-exp", "exp-rice", "raw"]
+SPARSE_CODECS = [name for name in codec_names() if name != "dense"]  # every registered codec that codes changes
 DTYPES = {"BF16": (torch.bfloat16, torch.int16), "F16": (torch.float16, torch.int16), "F32": (torch.float32, torch.int32)}
 # Bit patterns float comparisons get wrong: +-0, NaN payloads, +-inf, subnormals, extremes.
 SPECIAL_16 = [0x0000, -0x8000, 0x7FC0, 0x7FC1, -0x003F, 0x7F80, -0x0080, 0x0001, -0x7FFF, 0x7F7F, -0x0081]
@@ -148,7 +148,7 @@ def test_a_cpu_replica_writes_with_the_compiled_scatter(monkeypatch: pytest.Monk
     """A tensor held whole on the CPU in the published dtype takes its patch through ``kernels.put``; a
     transposed or wider one through torch. Every tensor ends bit-exact and its version counter moves, so
     autograd still refuses a backward through weights changed since its forward."""
-    from deltasync.appliers import torch as torch_applier
+    from deltasync.appliers import torch_module as torch_applier
 
     old, new, data = three_tensors_stepped(4)
     held = {"a": old["a"].to(torch.bfloat16).requires_grad_(),
@@ -546,8 +546,7 @@ class TestValueDigest:
     @staticmethod
     def encoded(codec: str = "compact") -> tuple[Any, Any, Any, Any]:
         from deltasync.codec.compact import values_digest
-        from deltasync.diff import TensorChange
-        from deltasync.tensors import TensorSpec
+        from deltasync.tensors import TensorChange, TensorSpec
 
         rng = np.random.default_rng(1)
         base = rng.integers(-(2**15), 2**15, 5000, dtype=np.int16)
@@ -672,8 +671,8 @@ class TestDevicePath:
 
     def test_escapes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Escapes are patched through the scatter fallback on a backend without ``nonzero_static``."""
-        from deltasync import tensors
         from deltasync.format import read_header
+        from deltasync.tensors import device as tensor_device
         from tests.dispatch_helpers import without_static_nonzero
 
         base = {"w": torch.zeros(70_000, dtype=torch.bfloat16)}
@@ -684,7 +683,7 @@ class TestDevicePath:
         without_static_nonzero(monkeypatch)
         receiver = TorchModuleApplier({"w": base["w"].clone()}, stage=True)
         _, patches = decode(data, base=receiver.lookup, on_device=receiver)
-        assert tensors._NO_STATIC_KERNEL == {"cpu"}
+        assert tensor_device._NO_STATIC_KERNEL == {"cpu"}
         receiver.apply(patches)
         assert torch.equal(receiver.state()["w"].view(torch.int16), target["w"].view(torch.int16))
 

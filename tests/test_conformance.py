@@ -30,6 +30,9 @@ from check import cases, check, digests, walk  # noqa: E402
 
 GOLDEN = [c for c in cases() if c.parent.name == "golden"]
 BROKEN = [c for c in cases() if c.parent.name == "broken"]
+# A replica follows one route: of a version that lists a delta and an anchor it decodes one, so it cannot see that
+# they differ (docs/PROTOCOL.md, "Following the chain"). Only the walk, which decodes both, refuses these.
+BOTH_ROUTES = {"anchor-differs-from-delta"}
 
 
 def _case(case_dir: Path) -> dict[str, Any]:
@@ -65,7 +68,7 @@ def test_a_subscriber_ends_at_the_latest_digests(case_dir: Path) -> None:
     assert digests(weights) == case["versions"][latest]
 
 
-@pytest.mark.parametrize("case_dir", BROKEN, ids=lambda p: p.name)
+@pytest.mark.parametrize("case_dir", [c for c in BROKEN if c.name not in BOTH_ROUTES], ids=lambda p: p.name)
 def test_a_subscriber_refuses_the_broken_version_and_keeps_the_last_good_one(case_dir: Path) -> None:
     case = _case(case_dir)
     weights = _replica(case)
@@ -104,7 +107,8 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
             if not name.isascii():
                 seen["non-ascii name"] += 1
     for need in [
-        ("codec", "compact"), ("codec", "compact-abs"), ("codec", "compact-exp"), ("codec", "exp-rice"), ("codec", "raw"), ("codec", "dense"),
+        ("codec", "compact"), ("codec", "compact-abs"), ("codec", "compact-exp"), ("codec", "exp-rice"),
+        ("codec", "raw"), ("codec", "dense"),
         ("dtype", "BF16"), ("dtype", "F16"), ("dtype", "F32"),
         *[("dims", d) for d in range(5)],
         ("gap bytes", 1, "plain"), ("gap bytes", 1, "escapes"), ("gap bytes", 2, "plain"), ("gap bytes", 2, "escapes"),
@@ -147,3 +151,28 @@ def test_special_values_reach_the_reader_bit_exactly() -> None:
     half = walk(ROOT / "golden" / "dtypes-f16-f32-compact").weights
     assert half["half.odd"].view(torch.int16).numpy().view(np.uint16)[1] == 0x7E01
     assert half["single.weight"].view(torch.int32).numpy().view(np.uint32).reshape(-1)[0] == 0x7FC00123
+
+
+def test_an_anchor_that_differs_from_its_delta_is_refused_by_a_reader_that_decodes_both() -> None:
+    """The walk compares a version's anchor with what its delta made before it holds either, and refuses the
+    version (IntegrityError), keeping the one before; a replica takes one of the two and cannot tell."""
+    case_dir = ROOT / "broken" / "anchor-differs-from-delta"
+    case = _case(case_dir)
+    result = walk(case_dir)
+    assert result.refused is not None and result.refused[0] == 2
+    assert isinstance(result.refused[1], errors.IntegrityError)
+    assert digests(result.weights) == case["versions"]["1"]  # nothing of version 2 is kept
+    weights = _replica(case)
+    with Subscriber(str(case_dir / case["store"]), TorchModuleApplier(weights, dtype=None), ack=False) as sub:
+        info = sub.update()
+    assert info is not None and info.route == ("anchor", "delta")  # version 2's anchor, never its delta
+
+
+def test_a_refused_manifest_is_refused_as_a_whole() -> None:
+    """``refuse.version`` -1: the manifest itself breaks a rule, and no version of the store is reached."""
+    for name in ("schema-below-digests", "header-digest-twice"):
+        case = _case(ROOT / "broken" / name)
+        assert case["refuse"]["version"] == -1 and case["refuse"]["error"] == "ManifestError"
+        result = walk(ROOT / "broken" / name)
+        assert result.reached == {} and result.refused is not None and result.refused[0] == -1
+        assert isinstance(result.refused[1], errors.ManifestError)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from deltasync import Subscriber, TorchModuleApplier, last_committed, open_store
-from deltasync.keys import VERSION_PREFIXES
+from deltasync.protocol.keys import VERSION_PREFIXES
 from tests.crash_helpers import SHAPES, digest, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,10 +105,10 @@ def test_killed_trainers_restart_and_leave_nothing_behind(backend: str, servers:
     # Nothing lies in the store that the manifest (or its retired list) does not name: no orphans, no
     # unfinished writes.
     opened = open_store(store, **options)
-    from deltasync.manifest import MANIFEST_KEY, Manifest
+    from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 
     manifest = Manifest.from_bytes(opened.get(MANIFEST_KEY))
-    from deltasync.retired import named_keys
+    from deltasync.protocol.retired import named_keys
 
     named = named_keys(opened, manifest)  # retired ones wait out their grace, listed beside the manifest
     stray = [i.key for p in VERSION_PREFIXES for i in opened.list(p) if i.key not in named]
@@ -149,9 +149,9 @@ def _anchor_parts_since(store: str, options: dict[str, Any], since: float) -> in
 
 
 def _leftovers(store: str, options: dict[str, Any]) -> int:
-    from deltasync.commit import classify_orphans
     from deltasync.errors import ObjectNotFound
-    from deltasync.manifest import MANIFEST_KEY, Manifest, new_manifest
+    from deltasync.protocol.commit import classify_orphans
+    from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, new_manifest
 
     opened = open_store(store, **options)
     try:

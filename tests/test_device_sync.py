@@ -45,7 +45,7 @@ def test_device_sync_quick_on_cpu(tmp_path: Path) -> None:
         assert stage["deltasync"] > 0 and stage["floor"] > 0
     assert "stage" in done.stdout and "floor" in done.stdout
     # --profile: one more run of each stage under torch's profiler and cProfile, the library's phases named
-    for stage, phase in (("diff", "diff.py"), ("decode", "rebuild"), ("apply", "(put)"),
+    for stage, phase in (("diff", "diff/snapshot.py"), ("decode", "rebuild"), ("apply", "(put)"),
                          ("whole_update", "deltasync.decode")):
         text = (tmp_path / "profiles" / f"profile_{stage}.txt").read_text()
         assert "torch ops by self host time" in text and "cProfile" in text and phase in text, stage

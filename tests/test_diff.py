@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import deltasync.diff as diff_module
-from deltasync.diff import Snapshot, _sparse_nonzero, diff
+import deltasync.publish.diff.snapshot as diff_module
 from deltasync.errors import TensorMismatch
+from deltasync.publish.diff.snapshot import Snapshot, _sparse_nonzero, diff
 from deltasync.tensors import SCATTERED, bits_view, fingerprint, positions, scattered_positions, write_at
 from tests.dispatch_helpers import (
     host_wait_ops,
@@ -287,7 +287,7 @@ class TestDevicePath:
     @pytest.mark.parametrize("tensors", [3, 300])
     def test_two_host_waits_whatever_the_tensor_count(self, tensors: int) -> None:
         """No per-tensor or per-chunk waits: no ``nonzero`` or scalar reads, and two transfers to the host."""
-        from deltasync.device_diff import host_waits
+        from deltasync.publish.diff.device import host_waits
 
         live, snap = self.model(tensors)
         before = host_waits()
@@ -303,7 +303,7 @@ class TestDevicePath:
     def test_the_device_path_takes_larger_chunks_by_default(self) -> None:
         """Each chunk costs host calls that a GPU waits on: the device path compares DEVICE_CHUNK elements a
         step unless told otherwise (one compare per pass here, where the CPU path's chunk would take two)."""
-        from deltasync.diff import DEFAULT_CHUNK, DEVICE_CHUNK
+        from deltasync.publish.diff.snapshot import DEFAULT_CHUNK, DEVICE_CHUNK
 
         assert DEVICE_CHUNK > DEFAULT_CHUNK
         for chunk, chunks in ((None, 1), (DEFAULT_CHUNK, 2)):
@@ -331,7 +331,7 @@ class TestDevicePath:
         """Version after version the bounded searches find what the CPU path finds: through quiet steps,
         a step that changes far more than the last (its searches overflow: one more wait), clustered
         changes (every element of a word), a tensor turning dense and back, and one going quiet."""
-        from deltasync import device_diff
+        from deltasync.publish.diff import device as device_diff
 
         monkeypatch.setattr(device_diff, "SLACK", slack)
         gen = torch.Generator().manual_seed(3)
@@ -376,7 +376,7 @@ class TestDevicePath:
     ) -> None:
         """Whole words changing (4 elements each) can hold more changes than a group has room for, though
         every changed word was found: those chunks are searched again with their exact counts, no wait."""
-        from deltasync import device_diff
+        from deltasync.publish.diff import device as device_diff
 
         monkeypatch.setattr(device_diff, "SLACK", 8)
         monkeypatch.setattr(device_diff, "GROUP", 100)  # about a chunk per group
@@ -423,7 +423,7 @@ class TestDevicePath:
         device path compares a run of them as one chunk (a few ops a block, not a few a tensor) and finds
         what the CPU path finds, version after version: quiet steps, a step with far more changes (bounds
         overflow), whole words changing, a tensor turning dense inside a run, odd sizes, empty tensors."""
-        from deltasync import device_diff
+        from deltasync.publish.diff import device as device_diff
 
         monkeypatch.setattr(device_diff, "SLACK", slack)
         gen = torch.Generator().manual_seed(11)
@@ -464,7 +464,7 @@ class TestDevicePath:
         assert set(waits) <= {2, 3} and (3 in waits or slack > 8)  # a tight bound overflows: one more wait
 
     def test_a_snapshot_keeps_large_tensors_apart_and_small_ones_in_blocks(self) -> None:
-        from deltasync.diff import DEVICE_CHUNK
+        from deltasync.publish.diff.snapshot import DEVICE_CHUNK
 
         live = {"a": torch.randn(3), "b": torch.randn(5), "big": torch.zeros(DEVICE_CHUNK + 1, dtype=BF16),
                 "c": torch.randn(2).to(torch.float16), "d": torch.randn(7)}
@@ -478,8 +478,8 @@ class TestDevicePath:
     def test_blocks_on_an_accelerator_take_tensors_up_to_the_run_size(self) -> None:
         """On a GPU, small tensors share blocks up to a chunk; one above RUN_TENSOR (compared alone, in place)
         has a block of its own and closes the one before; an 8-byte boundary for each tensor."""
-        from deltasync.diff import DEVICE_CHUNK
-        from deltasync.diff_chunks import RUN_TENSOR, blocks
+        from deltasync.publish.diff.chunks import RUN_TENSOR, blocks
+        from deltasync.publish.diff.snapshot import DEVICE_CHUNK
 
         gpu = torch.device("cuda")
         sizes = [3, 5, RUN_TENSOR + 1, 7, 9, RUN_TENSOR, DEVICE_CHUNK - RUN_TENSOR]
@@ -502,8 +502,8 @@ class TestDevicePath:
 
     def test_same_changes_where_the_device_has_no_static_nonzero(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A backend without ``nonzero_static`` (CUDA before torch 2.6): the scatter fallback, still two waits."""
-        from deltasync import tensors
-        from deltasync.device_diff import host_waits
+        from deltasync.publish.diff.device import host_waits
+        from deltasync.tensors import device as tensor_device
 
         without_static_nonzero(monkeypatch)
         live, snap = self.model(13)
@@ -511,7 +511,7 @@ class TestDevicePath:
         with recorded_ops() as ops:
             device = diff(snap, live, chunk=100, on_device=True)
         assert host_waits() - before == 2 and not host_wait_ops(ops) and "aten.scatter_" in ops
-        assert tensors._NO_STATIC_KERNEL == {"cpu"}  # tried once, then remembered
+        assert tensor_device._NO_STATIC_KERNEL == {"cpu"}  # tried once, then remembered
         cpu = diff(snap, live, chunk=100)
         assert [c.spec for c in cpu.changes] == [c.spec for c in device.changes] and cpu.nnz == device.nnz > 0
         for a, b in zip(cpu.changes, device.changes):
@@ -676,7 +676,7 @@ def test_phases_add_up_host_time_per_phase_across_threads_and_start_again_on_tak
     import threading
     import time
 
-    from deltasync.device_diff import Phases
+    from deltasync.tensors.device import Phases
 
     phases = Phases("deltasync.test")
     with phases("a"):

@@ -8,6 +8,7 @@ this repository.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -40,6 +41,52 @@ def test_every_file_named_in_docs_and_code_exists() -> None:
             if not (ROOT / path).exists():
                 missing.append(f"{source.relative_to(ROOT)}: {path}")
     assert not missing, missing
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (ROOT / "deltasync").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_module_named_in_docs_and_examples_exists() -> None:
+    """``deltasync.publish.publisher.Publisher`` and the like name a module of the package (and a name it
+    defines); logger names and profiler ranges are names of their own."""
+    modules = _modules()
+    code = "\n".join(path.read_text() for path in modules.values())
+    own_names = set(re.findall(r'getLogger\("([^"]+)"\)', code)) | set(re.findall(r'record_function\(f?"([^"{]+)', code))
+    own_names |= {"deltasync.diff", "deltasync.decode"}  # the device paths' phase prefixes (tensors.device.Phases)
+    sources = [*DOCS, *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "notebooks").glob("*.ipynb")),
+               *sorted((ROOT / "spaces_demo").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    unknown = []
+    for source in sources:
+        for name in re.findall(r"(?<![\w/.-])deltasync(?:\.[A-Za-z_]\w*)+", source.read_text()):
+            if name in own_names or any(name.startswith(n + ".") for n in own_names):
+                continue
+            parts = name.split(".")
+            k = next(k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in modules)
+            module, rest = ".".join(parts[:k]), parts[k:]
+            if rest and rest[0] not in _top_level_names(modules[module]):
+                unknown.append(f"{source.relative_to(ROOT)}: {name}")
+    assert not unknown, unknown
 
 
 def test_every_notebook_is_built_by_the_build_script() -> None:

@@ -197,7 +197,7 @@ class TestPackedExperts:
 
     @pytest.mark.parametrize("shape", [(2 * 64, 128), (128, 64)])
     def test_patch_in_place_equals_repacking(self, shape: tuple[int, int]) -> None:
-        from deltasync.appliers import cpu_experts
+        from deltasync.appliers.vllm import cpu_experts
 
         assert cpu_experts.install_expert_hooks()
         isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"

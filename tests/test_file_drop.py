@@ -1,4 +1,4 @@
-"""Files handed to an engine's workers on the same machine (``deltasync.appliers.file_drop``).
+"""Files handed to an engine's workers on the same machine (``deltasync.appliers.vllm.file_drop``).
 
 The follower side and the worker side run here in one process, as they do in two
 on one machine; ``tests/test_vllm.py`` and ``tests/test_trl.py`` run them in a real
@@ -17,9 +17,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from deltasync import digests
-from deltasync.appliers.file_drop import DROP_PREFIX, FileDrop, drop_parent, read_dropped, sweep
+from deltasync.appliers.vllm.file_drop import DROP_PREFIX, FileDrop, drop_parent, read_dropped, sweep
 from deltasync.errors import IntegrityError
+from deltasync.format import digests
 from deltasync.format.encode import encode_anchor
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import open_store
 
 # Appended, not inserted: a benchmark script named like an installed package must never shadow it.

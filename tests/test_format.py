@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltasync.appliers import TorchModuleApplier
-from deltasync.diff import Snapshot, diff
 from deltasync.errors import (
     CodecError,
     DeltaFormatError,
@@ -28,6 +27,7 @@ from deltasync.errors import (
     TensorMismatch,
 )
 from deltasync.format import decode, encode_anchor, encode_delta, file_entries, raw_header, read_header, serialize
+from deltasync.publish.diff import Snapshot, diff
 from tests.format_helpers import with_header, with_header_text
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -246,7 +246,9 @@ class TestRefusals:
     def test_decompression_bomb_refused_before_inflating(self) -> None:
         data, _, _ = make_delta()
         bomb = zstandard.ZstdCompressor().compress(bytes(50 << 20))
-        bad = rebuild(data, lambda t, m: t.update({"embed.weight::val": torch.frombuffer(bytearray(bomb), dtype=torch.uint8)}))
+        bad = rebuild(
+            data, lambda t, m: t.update({"embed.weight::val": torch.frombuffer(bytearray(bomb), dtype=torch.uint8)})
+        )
         with pytest.raises(CodecError, match="declares"):
             decode(bad, base=lambda n, i: np.zeros(i.size, np.int16))
 
@@ -277,7 +279,10 @@ class TestRefusals:
 class TestReceiverValidation:
     def test_other_model_refused(self) -> None:
         data, _, _ = make_delta()
-        applier = TorchModuleApplier({"embed.weight": torch.zeros(12, 9, dtype=torch.bfloat16), "norm.weight": torch.zeros(8, dtype=torch.bfloat16)})
+        applier = TorchModuleApplier(
+            {"embed.weight": torch.zeros(12, 9, dtype=torch.bfloat16),
+             "norm.weight": torch.zeros(8, dtype=torch.bfloat16)}
+        )
         with pytest.raises(FingerprintMismatch, match="anchor"):
             applier.validate(read_header(data))
 
@@ -318,7 +323,7 @@ def _shards(
     """Anchor and delta shards of the golden weights, cut into ``world`` row chunks as ranks would
     (``flat``: equal flat element slices, as DeepSpeed ZeRO-3 partitions parameters)."""
     from deltasync.format import Elements
-    from deltasync.sharded import chunk_rows
+    from deltasync.publish.sharded import chunk_rows
     from deltasync.tensors import TensorSpec
 
     base, target = golden_weights()
@@ -413,7 +418,7 @@ def test_a_shard_whose_slice_does_not_match_its_rows_is_refused() -> None:
 
 def test_threads_decode_the_same_patches_and_raise_the_first_failure_in_file_order() -> None:
     """Tensors decode on several threads: the patches do not depend on it, nor does which error is raised."""
-    from deltasync import parallel
+    from deltasync.util import threads as parallel
 
     gen = torch.Generator().manual_seed(0)
     weights = {f"t{i}": torch.randn(400_000, generator=gen) for i in range(6)}
@@ -508,6 +513,22 @@ def test_header_json_booleans_and_duplicate_keys_are_refused(old: str, new: str,
         decode(forged, base=replica.lookup)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_a_signed_zero_in_the_table_is_refused(packed: bool) -> None:
+    """``-0`` is 0 to one parser and a negative zero to another: refused, whichever field holds it."""
+    if packed:
+        data = _small_delta()
+        forged = _with_table_text(data, lambda t: t.replace('"shape":[64]', '"shape":[64],"rows":[-0,64]', 1))
+    else:
+        data = _small_delta(packed=False)
+        forged = with_header_text(
+            data, lambda t: t.replace('\\"shape\\":[64]', '\\"shape\\":[64],\\"rows\\":[-0,64]', 1)
+        )
+    assert forged != data
+    with pytest.raises(DeltaFormatError, match="-0"):
+        read_header(forged)
+
+
 def test_a_key_twice_in_the_safetensors_header_is_refused() -> None:
     data = _small_delta()
     forged = with_header_text(data, lambda t: t.replace('{"__metadata__"', '{"__metadata__":{},"__metadata__"', 1))
@@ -544,7 +565,7 @@ class TestWhatTwoReadersCouldReadDifferently:
             decompress(np.concatenate([frame, frame]), 100, "t::idx")  # a second frame hides a second payload
 
     def test_json_is_utf8_without_a_byte_order_mark(self) -> None:
-        from deltasync.jsonio import load_json
+        from deltasync.util.jsonio import load_json
 
         assert load_json('{"a": "é"}'.encode(), what="x", error=ValueError) == {"a": "é"}
         for data in ('{"a": 1}'.encode("utf-16"), b"\xef\xbb\xbf" + b'{"a": 1}', '{"a": 1}'.encode("utf-32")):
@@ -553,8 +574,8 @@ class TestWhatTwoReadersCouldReadDifferently:
 
     def test_object_keys_and_latest_are_exact(self) -> None:
         from deltasync.errors import ManifestError
-        from deltasync.keys import check_key
-        from deltasync.manifest import Manifest
+        from deltasync.protocol.manifest import Manifest
+        from deltasync.stores import check_key
 
         with pytest.raises(ManifestError):
             check_key("deltas/a.safetensors\n")
@@ -587,8 +608,8 @@ class TestWhatTwoReadersCouldReadDifferently:
 
     def test_a_retired_list_is_strict_json_too(self, tmp_path: Path) -> None:
         from deltasync.errors import ManifestError
-        from deltasync.keys import RETIRED_KEY
-        from deltasync.retired import read_retired
+        from deltasync.protocol.keys import RETIRED_KEY
+        from deltasync.protocol.retired import read_retired
         from deltasync.stores import open_store
 
         store = open_store(str(tmp_path / "run"))
@@ -606,7 +627,7 @@ def test_threads_are_kept_between_calls_and_never_wait_on_themselves() -> None:
     import os
     import threading
 
-    from deltasync import parallel
+    from deltasync.util import threads as parallel
 
     work = [10**6] * 16
     assert parallel.map_shared(lambda x: x, list(range(16)), work, workers=4) == list(range(16))
@@ -641,7 +662,7 @@ def test_items_that_hold_the_gil_run_on_one_thread_the_callers() -> None:
     first failure in item order is raised."""
     import threading
 
-    from deltasync import parallel
+    from deltasync.util import threads as parallel
 
     where: dict[int, int] = {}
 
@@ -726,7 +747,7 @@ class TestPackedHeader:
         header's ``tensors`` text is still parsed where it is read."""
         import deltasync.format.header as header_module
         import deltasync.format.layout as layout_module
-        from deltasync.jsonio import load_json
+        from deltasync.util.jsonio import load_json
 
         parsed: list[str] = []
 
@@ -746,7 +767,7 @@ class TestPackedHeader:
         header keeps where each entry lies, and nothing of the file is parsed a second time."""
         import deltasync.format.header as header_module
         import deltasync.format.layout as layout_module
-        from deltasync.jsonio import load_json
+        from deltasync.util.jsonio import load_json
 
         parsed: list[str] = []
 
@@ -837,7 +858,9 @@ class TestPackedHeader:
         with pytest.raises(DeltaFormatError, match="at most"):
             read_header(with_header_text(data, forge))
 
-    @pytest.mark.parametrize("shape", [{}, "", [-1, -1], [True], None], ids=["dict", "text", "negative", "bool", "null"])
+    @pytest.mark.parametrize(
+        "shape", [{}, "", [-1, -1], [True], None], ids=["dict", "text", "negative", "bool", "null"]
+    )
     def test_an_entry_whose_shape_is_not_a_list_of_sizes_is_refused(self, shape: Any) -> None:
         """A one-byte entry whose shape is ``{}`` or ``""`` unpacks to no dimensions (a product of 1): found by
         the fuzzer in a packed table, where it reached ``reshape`` with a dict."""
@@ -941,3 +964,127 @@ def test_a_tensor_renamed_inside_a_packed_table_is_a_typed_refusal_even_before_v
     assert "norm.weighz" in read_header(renamed).tensors
     with pytest.raises(TensorMismatch, match="norm.weighz"):
         decode(renamed, base=TorchModuleApplier(base).lookup)
+
+
+class TestEdgesTheSpecNamesAnErrorFor:
+    """Edges where an implementer must pick an error class: the one docs/FORMAT.md names, and no other."""
+
+    @pytest.mark.parametrize("codec", [5, None, True, ["compact"], {"name": "compact"}])
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+    def test_a_codec_that_is_not_a_string_is_refused_with_the_table(self, codec: Any, packed: bool) -> None:
+        if packed:
+            forged = _with_table_text(_small_delta(), lambda t: t.replace('"codec":"compact"',
+                                                                          f'"codec":{json.dumps(codec)}', 1))
+        else:
+            forged = rebuild(_small_delta(packed=False), edit_entry("w", codec=codec))
+        with pytest.raises(DeltaFormatError, match="codec must be a string") as info:
+            read_header(forged)
+        assert not isinstance(info.value, CodecError)  # a malformed table, not a codec this reader lacks
+
+    def test_a_codec_name_this_reader_does_not_know_is_a_codec_error_at_decode(self) -> None:
+        forged = _with_table_text(_small_delta(), lambda t: t.replace('"codec":"compact"', '"codec":"compact-v9"', 1))
+        read_header(forged)
+        with pytest.raises(CodecError, match="unknown codec 'compact-v9'"):
+            decode(forged, base=TorchModuleApplier({"w": torch.zeros(64, dtype=torch.bfloat16)}).lookup)
+
+    @pytest.mark.parametrize("entry", [[1], "compact", 5, None, True])
+    def test_a_table_entry_that_is_not_an_object(self, entry: Any) -> None:
+        def replace(header: dict[str, Any]) -> None:
+            table = json.loads(header["__metadata__"]["tensors"])
+            table["w"] = entry
+            header["__metadata__"]["tensors"] = json.dumps(table)
+
+        with pytest.raises(DeltaFormatError, match="tensor entry must be an object"):
+            read_header(with_header(_small_delta(packed=False), replace))
+        with pytest.raises(DeltaFormatError, match="under 'parts'"):  # packed: the entry holds its streams
+            read_header(_with_table_text(_small_delta(), lambda t: json.dumps({"w": entry})))
+
+    @pytest.mark.parametrize("value", ["ABCDEF0123456789", "0123456789abcde", "0123456789abcdef0", "", 5, None,
+                                       ["0123456789abcdef"]])
+    @pytest.mark.parametrize("key", ["blake3", "sum"])
+    def test_a_value_digest_of_the_wrong_form_is_refused_as_a_mismatch(self, key: str, value: Any) -> None:
+        """It matches no values: an IntegrityError like a digest that differs or is missing, never a CodecError."""
+        data, base, _ = make_delta()
+
+        def edit(text: str) -> str:
+            table = json.loads(text)
+            for entry in table.values():
+                entry["params"][key] = value
+            return json.dumps(table)
+
+        forged = _with_table_text(data, edit)
+        read_header(forged)  # a codec parameter: nothing of the table's own form
+        with pytest.raises(IntegrityError, match="publisher's"):
+            decode(forged, base=TorchModuleApplier(base).lookup)
+
+    @pytest.mark.parametrize(("old", "new"), [('"iw":1', '"iw":1.0'), ('"big":0', '"big":0.0'),
+                                              ('"iw":1', '"iw":1e0'), ('"iw":1', '"iw":true')])
+    def test_iw_and_big_spelled_otherwise_are_codec_errors(self, old: str, new: str) -> None:
+        data = _small_delta()
+        forged = _with_table_text(data, lambda t: t.replace(old, new, 1))
+        assert forged != data
+        read_header(forged)  # a codec parameter: checked as the tensor decodes
+        with pytest.raises(CodecError, match="bad index params"):
+            decode(forged, base=TorchModuleApplier({"w": torch.zeros(64, dtype=torch.bfloat16)}).lookup)
+
+    def test_a_signed_zero_codec_parameter_is_refused_as_the_json_is_parsed(self) -> None:
+        forged = _with_table_text(_small_delta(), lambda t: t.replace('"big":0', '"big":-0', 1))
+        with pytest.raises(DeltaFormatError, match="-0") as info:
+            read_header(forged)
+        assert not isinstance(info.value, CodecError)
+
+    def test_the_dtype_names_a_reader_accepts_are_the_ten_the_spec_lists(self) -> None:
+        """Read-only bytes of a plain file are read by safetensors itself, which knows more names (U16, F8_E4M3,
+        ...): every path refuses them alike, before any codec sees the entry."""
+        from deltasync.format import SAFETENSORS_DTYPES
+
+        assert set(SAFETENSORS_DTYPES) == {"BOOL", "U8", "I8", "I16", "F16", "BF16", "I32", "F32", "I64", "F64"}
+        anchor = encode_anchor({"w": torch.zeros(8, dtype=torch.bfloat16)}, version=0)  # 16 bytes of data
+        lookup = TorchModuleApplier({"w": torch.zeros(8, dtype=torch.bfloat16)}).lookup
+        widths = {"U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "bf16": 2}
+        for name, width in widths.items():
+            forged = with_header(anchor, lambda h: h["w"].update(dtype=name, shape=[16 // width]))
+            for data in (forged, bytearray(forged)):
+                with pytest.raises(DeltaFormatError) as info:
+                    decode(data, base=lookup)
+                assert not isinstance(info.value, CodecError), name
+        for name, width in {"I16": 2, "F16": 2, "F64": 8, "BOOL": 1}.items():  # known, but not this entry's
+            forged = with_header(anchor, lambda h: h["w"].update(dtype=name, shape=[16 // width]))
+            for data in (forged, bytearray(forged)):
+                with pytest.raises(CodecError, match="part 'val'"):
+                    decode(data, base=lookup)
+
+    @pytest.mark.parametrize("stream", ["idx", "val"])
+    def test_exp_rice_streams_are_1d_bytes(self, stream: str) -> None:
+        data, base, _ = make_delta("exp-rice")
+        lookup = TorchModuleApplier(base).lookup
+
+        def as_2d(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+            tensors[f"embed.weight::{stream}"] = tensors[f"embed.weight::{stream}"].reshape(1, -1)
+
+        def as_int8(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+            tensors[f"embed.weight::{stream}"] = tensors[f"embed.weight::{stream}"].view(torch.int8)
+
+        with pytest.raises(CodecError, match="must be 1-D"):
+            decode(rebuild(data, as_2d), base=lookup)
+        with pytest.raises(CodecError, match="torch.int8"):
+            decode(rebuild(data, as_int8), base=lookup)
+
+    def test_a_whole_file_is_decoded_without_its_entry_digests(self) -> None:
+        """The manifest's digest of the whole object covers them; the reference reader looks at one only after a
+        value digest fails, to say which side is at fault."""
+        data, base, target = make_delta()
+
+        def edit(text: str) -> str:
+            table = json.loads(text)
+            table["embed.weight"]["blake3"] = "0" * 64
+            return json.dumps(table)
+
+        forged = _with_table_text(data, edit)
+        replica = {k: v.clone() for k, v in base.items()}
+        applier = TorchModuleApplier(replica)
+        applier.apply(decode(forged, base=applier.lookup)[1])
+        assert all(torch.equal(replica[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
+        stale = TorchModuleApplier({k: torch.zeros_like(v) for k, v in base.items()})
+        with pytest.raises(IntegrityError, match="altered after it was written"):
+            decode(forged, base=stale.lookup)

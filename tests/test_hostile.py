@@ -34,7 +34,7 @@ from deltasync.errors import (
     StoreError,
     VersionError,
 )
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 
 SHAPES = {"w": (32, 24), "b": (24,)}
 
@@ -321,8 +321,8 @@ class TestSpecialFiles:
 
 
     def test_oversized_ack_is_never_read_whole_and_gc_removes_it(self, run: Any, capsys: Any) -> None:
-        from deltasync.acks import MAX_ACK_BYTES, read_acks
         from deltasync.cli import main
+        from deltasync.protocol.acks import MAX_ACK_BYTES, read_acks
 
         url, _, _ = run
         Path(url, "acks").mkdir(exist_ok=True)
@@ -335,7 +335,7 @@ class TestSpecialFiles:
     def test_oversized_manifest_is_refused_by_trainer_replica_and_cli(self, tmp_path: Path, capsys: Any) -> None:
         from deltasync.cli import main
         from deltasync.errors import IntegrityError
-        from deltasync.manifest import MAX_MANIFEST_BYTES
+        from deltasync.protocol.manifest import MAX_MANIFEST_BYTES
 
         url = tmp_path / "store"
         url.mkdir()
@@ -494,7 +494,7 @@ class TestServerAnswers:
         ids=["html", "deep", "cut", "other-object", "list"],
     )
     def test_an_answer_that_is_not_json_is_a_typed_refusal(self, body: bytes, length: int | None, match: str) -> None:
-        from deltasync.appliers.vllm_rpc import ServerEngine
+        from deltasync.appliers.vllm.rpc import ServerEngine
         from tests.http_helpers import answering
 
         with answering(body, length) as url:

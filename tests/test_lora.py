@@ -1,4 +1,4 @@
-"""LoRA runs in two exact forms (deltasync.lora, deltasync.forms): merged weights or the adapter, smaller wins.
+"""LoRA runs in two exact forms (deltasync.publish.lora, deltasync.publish.forms): merged weights or the adapter, smaller wins.
 
 Every version a replica holds is compared bit for bit with the form the
 publisher committed; the adapter form's factors with the trainer's own fp32
@@ -17,16 +17,15 @@ import torch
 
 from deltasync import Publisher, Subscriber
 from deltasync.appliers import TorchModuleApplier
-from deltasync.diff import ChangeSet, TensorChange
 from deltasync.errors import ConfigError
-from deltasync.forms import wire_cost
+from deltasync.publish.forms import wire_cost
 from deltasync.stores import MemoryStore
-from deltasync.tensors import TensorSpec
+from deltasync.tensors import ChangeSet, TensorChange, TensorSpec
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'deltasync[peft]')")
 transformers = pytest.importorskip("transformers", reason="transformers missing (pip install 'deltasync[trl]')")
 
-from deltasync.lora import (  # noqa: E402
+from deltasync.publish.lora import (  # noqa: E402
     WEIGHTS_NAME,
     LoraWeights,
     adapter_active,
@@ -93,7 +92,7 @@ def test_auto_publishes_merged_at_small_lr_then_the_adapter_and_a_replica_holds_
             publisher.flush()
             subscriber.update()
             assert subscriber.version == publisher.version
-            forms.append(publisher._form)
+            forms.append(publisher.writer_engine.form)
             assert_holds(replica, weights.forms()[forms[-1]])
     assert forms[1:5] == ["merged"] * 4 and forms[-1] == "adapter", forms
     deltas = {i.version: i for i in infos if i.kind == "delta"}
@@ -190,8 +189,8 @@ def test_refused() -> None:
 
 
 def test_wire_cost_is_close_to_the_encoded_size_and_skips_zeros_and_fixed_tensors() -> None:
-    from deltasync.diff import Snapshot, diff
     from deltasync.format import encode_delta
+    from deltasync.publish.diff import Snapshot, diff
 
     weights = {"w": torch.randn(200_000) * 0.02}
     snapshot = Snapshot.capture(weights)

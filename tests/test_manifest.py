@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync.errors import ManifestError
-from deltasync.manifest import (
+from deltasync.protocol.manifest import (
     Manifest,
     ObjectRef,
     VersionEntry,
@@ -77,7 +77,7 @@ class TestSchema:
         assert back.schema == 3 and back.entry(5).anchor[0] == anchor
         assert json.loads(plan_retention(back, keep_anchors=1, now=2.0).to_bytes())["schema"] == 3
         assert json.loads(m.to_bytes())["schema"] == 2
-        monkeypatch.setattr("deltasync.manifest.SCHEMA", 2)  # a reader from before schema 3
+        monkeypatch.setattr("deltasync.protocol.manifest.SCHEMA", 2)  # a reader from before schema 3
         with pytest.raises(ManifestError, match="schema 3 is not supported; upgrade deltasync"):
             Manifest.from_bytes(with_anchor.to_bytes())
 
@@ -106,6 +106,8 @@ class TestSchema:
             (lambda r: r["versions"][1]["delta"][0].update(sha256="1" * 63), "bad sha256"),
             (lambda r: r["versions"][1]["delta"][0].update(header={"size": 8, "blake3": "1" * 64}), "must carry"),
             (lambda r: r["versions"][1]["delta"][0].update({"blake3-entries": "1" * 64}), "two digests"),
+            (lambda r: r["versions"][1]["delta"][0].update(header={"size": 8, "sha256": "1" * 64, "blake3": "1" * 64}),
+             "the header reference of .*: two digests"),
             (lambda r: r["versions"][0]["anchor"][0].update({"blake3-entries": r["versions"][0]["anchor"][0].pop(
                 "sha256")}), "header"),
         ],
@@ -116,9 +118,35 @@ class TestSchema:
         with pytest.raises(ManifestError, match=match):
             Manifest.from_bytes(json.dumps(raw).encode())
 
+    def test_a_schema_below_its_digests_is_refused(self) -> None:
+        """``blake3`` needs schema 2, ``blake3-entries`` schema 3: a reader of the lower schema would find a
+        reference without a digest it knows. A higher schema than needed is read as it is."""
+        head = (24, "c" * 64)
+        anchor = ObjectRef("anchors/0000000005-0a1b2c3d-part0000.safetensors", 1000, head[1], None, head,
+                           "blake3-entries")
+        whole = ObjectRef.of("deltas/0000000005-0a1b2c3d.safetensors", [b"x" * 10])
+        for entry, needed in ((VersionEntry(5, delta=(whole,)), 2), (VersionEntry(5, anchor=(anchor,)), 3)):
+            raw = json.loads(build(5, {0: 1000}).with_version(entry, now=1.0, lease_s=1.0).to_bytes())
+            assert raw["schema"] == needed
+            for schema in range(1, needed):
+                with pytest.raises(ManifestError, match=f"schema {schema} lists digests of schema {needed}"):
+                    Manifest.from_bytes(json.dumps(dict(raw, schema=schema)).encode())
+        only_sha256 = json.loads(GOLDEN.read_bytes())
+        for schema in (1, 2, 3):
+            assert Manifest.from_bytes(json.dumps(dict(only_sha256, schema=schema)).encode()).schema == schema
+
     def test_not_json(self) -> None:
         with pytest.raises(ManifestError, match="JSON"):
             Manifest.from_bytes(b"{nope")
+
+    @pytest.mark.parametrize("field", ["step", "version"])
+    def test_a_signed_zero_is_refused_not_read_as_zero(self, field: str) -> None:
+        """``-0`` is 0 to one parser and a negative zero to another: 0 has one spelling, without a sign."""
+        text = GOLDEN.read_text()
+        forged = text.replace(f'"{field}": 0,', f'"{field}": -0,', 1)
+        assert forged != text
+        with pytest.raises(ManifestError, match="-0"):
+            Manifest.from_bytes(forged.encode())
 
     @settings(max_examples=200, deadline=None)
     @given(st.binary(max_size=400) | st.text(max_size=300).map(str.encode))
@@ -169,6 +197,16 @@ class TestPlan:
 
     def test_empty(self) -> None:
         assert plan_route(Manifest("r", "f", 1, "w", 0.0), None) is None
+
+    def test_every_route_ends_at_latest(self) -> None:
+        """No route leads to an older version: a reader holds one only on its way to the latest."""
+        m = build(9, {0: 100, 3: 100, 6: 100})
+        for held in [None, *range(9)]:
+            plan = plan_route(m, held)
+            assert plan is not None and plan.target == m.latest
+            assert [s.version for s in plan.steps] == sorted({s.version for s in plan.steps})
+            assert not plan.steps or plan.steps[-1].version == m.latest
+            assert all(held is None or s.version > held for s in plan.steps)
 
 
 class TestRetention:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from deltasync.errors import LayoutMismatch
-from deltasync.publisher import Publisher
+from deltasync.publish.publisher import Publisher
 from tests.vllm_helpers import (
     VLLM_TESTS,
     Trainer,
@@ -36,7 +36,7 @@ PACKED = "vllm-cpu-packed-experts"
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     return tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3-moe", smollm2_checkpoint())
 
@@ -54,8 +54,8 @@ def _drop_packed_layout(worker: Any) -> None:
 
 
 def _restore_packed_layout(worker: Any) -> None:
-    from deltasync.appliers.cpu_experts import PACKED_EXPERTS
     from deltasync.appliers.mapping import layout_names, register_layout
+    from deltasync.appliers.vllm.cpu_experts import PACKED_EXPERTS
 
     if PACKED not in layout_names():
         register_layout(PACKED_EXPERTS)
@@ -63,7 +63,7 @@ def _restore_packed_layout(worker: Any) -> None:
 
 def _follow(llm: Any, moe_dir: Path, store: str, trainer: Trainer, steps: int) -> dict[str, Any]:
     """Train ``steps`` AdamW steps, publishing each; the engine follows and is exact after every version."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
 
     follower = VLLMFollower(llm, model=moe_dir)
     layouts = {p: name for rank in follower.ranks for p, name in rank["layouts"].items()}
@@ -89,7 +89,7 @@ def _follow(llm: Any, moe_dir: Path, store: str, trainer: Trainer, steps: int) -
 
 def test_unknown_packing_is_refused_before_any_write(moe_dir: Path) -> None:
     """Without the packed-experts layout the map addresses the unpacked layout: the proof must refuse it."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
 
     with engine(moe_dir, plain=False) as llm:
         before = llm.collective_rpc(runtime_digests)
@@ -116,7 +116,7 @@ def test_trained_moe_followed_exactly_and_equals_a_fresh_engine(moe_dir: Path, t
 
 def test_shared_expert_architecture_followed_exactly(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """Qwen2-MoE: routed experts plus a shared expert and its gate; runtime bytes equal a fresh engine's."""
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     moe_dir = tiny_qwen3_moe(tmp_path_factory.mktemp("moe-shared") / "qwen2-moe", smollm2_checkpoint(),
                              shared_expert=True)
@@ -139,7 +139,7 @@ def test_trained_moe_tp2_exact_on_both_ranks(moe_dir: Path, tmp_path: Path) -> N
 
 def test_sampled_check_can_be_switched_off(moe_dir: Path, tmp_path: Path) -> None:
     """``verify=0`` skips the sampled read-back of sparse deltas (anchors are always read back)."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
 
     trainer = Trainer(moe_dir, lr=1e-5, seed=2)  # sparse: no tensor is carried whole
     store = str(tmp_path / "run")
@@ -163,10 +163,10 @@ def test_expert_parallel_ranks_prove_apply_and_fetch_only_their_experts(moe_dir:
     """EP=2: each rank holds 4 of 8 experts per layer, proves and applies exactly; a rank's range reads
     fetch only its experts. (vLLM 0.32's CPU build loads EP engines but its forward pass crashes, so
     this engine never generates.)"""
-    from deltasync.appliers.vllm_follower import VLLMFollower
-    from deltasync.keys import MANIFEST_KEY
-    from deltasync.manifest import Manifest
-    from deltasync.ranged import fetch_tensors
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.protocol.keys import MANIFEST_KEY
+    from deltasync.protocol.manifest import Manifest
+    from deltasync.replica.ranged import fetch_tensors
     from deltasync.stores import open_store
 
     trainer = Trainer(moe_dir, lr=1e-4, seed=3)

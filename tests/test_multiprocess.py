@@ -1,7 +1,7 @@
 """A trainer in this process, replicas in other processes, one store between them.
 
 Replicas are spawned (``tests/mp_helpers.py``), follow the store with a real
-:class:`~deltasync.subscriber.Subscriber` and report a hash of their weights
+:class:`~deltasync.replica.subscriber.Subscriber` and report a hash of their weights
 after every update; the tests wait on those reports (never on sleeps) and end
 by comparing every replica's int16 bit patterns with the trainer's bf16 cast.
 Runs on the local store and on the loopback S3 server.
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from deltasync.manifest import MANIFEST_KEY, Manifest
-from deltasync.publisher import Publisher, PublishInfo
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
+from deltasync.publish.publisher import Publisher, PublishInfo
 from deltasync.stores import open_store
 from deltasync.tensors import published_tensors
 
@@ -212,7 +212,7 @@ class TestReplicaProcesses:
 
         def on_publish(info: PublishInfo) -> None:
             # Runs on the worker thread after the snapshot advanced: it is exactly the committed version.
-            committed.setdefault(info.version, digest(trainer.publisher._snapshot.items()))
+            committed.setdefault(info.version, digest(trainer.publisher.snapshot.items()))
             infos.append(info)
 
         trainer = Trainer(url, options, anchor_every=10, on_publish=on_publish)

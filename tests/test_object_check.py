@@ -9,10 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync import digests
-from deltasync.format import encode_anchor, header_ref, raw_header
+from deltasync.format import digests, encode_anchor, header_ref, raw_header
 from deltasync.format.check import intact_by_entries
-from deltasync.manifest import ObjectRef
+from deltasync.protocol.manifest import ObjectRef
 
 KEY = "anchors/0000000000-0a1b2c3d-part0000.safetensors"
 
@@ -147,10 +146,10 @@ def test_a_publisher_references_anchors_by_entries_and_a_replica_checks_them(tmp
     bit-exact, parsing each anchor part's header once (as it checks the part), and a fresh one refuses an
     anchor damaged inside a tensor and keeps its weights."""
     from deltasync import Publisher, Subscriber
-    from deltasync import fetch as fetch_module
     from deltasync.appliers import TorchModuleApplier
     from deltasync.errors import IntegrityError
     from deltasync.format import read_header
+    from deltasync.replica import fetch as fetch_module
 
     model = {n: t.float() for n, t in weights().items()}
     with Publisher(model, str(tmp_path / "run"), part_bytes=128) as publisher:

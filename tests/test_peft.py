@@ -1,4 +1,4 @@
-"""PEFT / LoRA models published as exact merged weights (deltasync.peft), on real peft and transformers models.
+"""PEFT / LoRA models published as exact merged weights (deltasync.publish.peft), on real peft and transformers models.
 
 Tiny random models (2 layers, hidden 64) with real LoRA adapters: the merged
 weights match PEFT's own ``merge_and_unload()`` bit for bit, a training run
@@ -28,8 +28,8 @@ from deltasync.tensors import published_tensors
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'deltasync[peft]')")
 transformers = pytest.importorskip("transformers", reason="transformers missing (pip install 'deltasync[trl]')")
 
-from deltasync.lora import publishable  # noqa: E402
-from deltasync.peft import MergedWeights  # noqa: E402
+from deltasync.publish.lora import publishable  # noqa: E402
+from deltasync.publish.peft import MergedWeights  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # peft warns about tied weights and fan_in_fan_out
 VOCAB = 128
@@ -331,8 +331,8 @@ def test_grpo_trainer_with_a_lora_config_publishes_the_merged_policy(tmp_path: P
     import trl
     from datasets import Dataset
 
+    from deltasync.demo.models import smollm2_checkpoint
     from deltasync.integrations import DeltaSyncCallback
-    from deltasync.models import smollm2_checkpoint
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_checkpoint())
     torch.manual_seed(0)

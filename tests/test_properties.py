@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from deltasync import DeltaSyncError, Publisher, Subscriber, TorchModuleApplier
 from deltasync.errors import ManifestError
 from deltasync.format import combine, decode, read_header
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import MemoryStore
 
 # Bounded: a few seconds per property on 2 cores; the fuzz benchmark runs millions.

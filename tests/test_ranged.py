@@ -19,12 +19,13 @@ from deltasync import Publisher, Subscriber
 from deltasync.appliers import TorchModuleApplier
 from deltasync.errors import ConfigError, DeltaFormatError, IntegrityError
 from deltasync.format import decode, decode_entries, header_ref, raw_header
-from deltasync.keys import MANIFEST_KEY
-from deltasync.manifest import Manifest, ObjectRef
-from deltasync.ranged import can_read_ranges, fetch_tensors
+from deltasync.protocol.keys import MANIFEST_KEY
+from deltasync.protocol.manifest import Manifest, ObjectRef
+from deltasync.replica.ranged import can_read_ranges, fetch_tensors
 from deltasync.stores import Store
 from deltasync.tensors import bits_view
 from tests.conftest import make_store
+from tests.format_helpers import with_header_text
 
 EXPERTS = 8
 
@@ -74,7 +75,10 @@ def test_rank_follows_only_its_experts_exactly_and_reads_less(
     replica = {n: t.to(torch.bfloat16) for n, t in _moe_weights(seed=1).items()}  # stale until the anchor
     untouched = {n: t.clone() for n, t in replica.items()}
     wanted = _holds(rank=1, ranks=4)
-    with Publisher(trainer, store) as pub, Subscriber(store, TorchModuleApplier(replica), ack=False, only=wanted) as sub:
+    with (
+        Publisher(trainer, store) as pub,
+        Subscriber(store, TorchModuleApplier(replica), ack=False, only=wanted) as sub,
+    ):
         pub.publish(0, block=True)
         pub.flush()
         info = sub.update()
@@ -118,7 +122,8 @@ def test_fetch_matches_a_whole_decode_and_coalesces(tmp_path: Path) -> None:
             assert (patch.indices == full[name].indices).all() and (patch.values == full[name].values).all()
     # Every expert tensor belongs to exactly one rank; shared tensors to both.
     experts = [set(n for n in f.names if n.startswith("experts.")) for f in per_rank]
-    assert experts[0].isdisjoint(experts[1]) and experts[0] | experts[1] == {n for n in header.tensors if n.startswith("experts.")}
+    every = {n for n in header.tensors if n.startswith("experts.")}
+    assert experts[0].isdisjoint(experts[1]) and experts[0] | experts[1] == every
 
 
 class TestTampering:
@@ -161,6 +166,34 @@ class TestTampering:
         forged_ref = dataclasses.replace(ref, size=len(forged), digest=head[1], header=head)
         with pytest.raises(DeltaFormatError, match="impossible"):
             fetch_tensors(store, forged_ref, lambda n: n == "experts.0.up_proj.weight")
+
+    def test_a_malformed_header_its_digest_pins_is_an_integrity_error_whole_and_a_format_error_in_part(
+        self, published
+    ) -> None:
+        """Under ``blake3-entries`` a whole read checks the object by its parts, header included: a header that
+        matches its digest but is malformed leaves the object unproven (IntegrityError). A partial read checks the
+        header by its digest alone and then parses it as any file's (DeltaFormatError)."""
+        store, ref, data = published
+        size = ref.header[0]
+        text = data[8:size].decode()
+        assert '"format_version":"3"' in text
+        forged = with_header_text(data, lambda t: t.replace('"format_version":"3"', '"format_version":"03"', 1))
+        store.put(ref.key, forged)
+        head = header_ref(forged)
+        forged_ref = dataclasses.replace(ref, size=len(forged), digest=head[1], header=head)
+        raw = json.loads(store.get(MANIFEST_KEY))
+        raw["versions"][0]["anchor"][0] = forged_ref.to_json()
+        store.put(MANIFEST_KEY, json.dumps(raw).encode())
+        assert not forged_ref.verify(forged)
+        with pytest.raises(DeltaFormatError, match="decimal integer"):
+            fetch_tensors(store, forged_ref, lambda n: True)
+        replica = {n: t.to(torch.bfloat16) for n, t in _moe_weights(seed=1).items()}
+        with Subscriber(store, TorchModuleApplier(replica), ack=False) as sub:
+            with pytest.raises(IntegrityError, match=ref.key):
+                sub.update()
+        with Subscriber(store, TorchModuleApplier(replica), ack=False, only=_holds(rank=0, ranks=2)) as sub:
+            with pytest.raises(DeltaFormatError, match="decimal integer"):
+                sub.update()
 
     def test_objects_without_a_header_hash_are_downloaded_whole(self, published, tmp_path: Path) -> None:
         store, ref, data = published

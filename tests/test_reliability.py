@@ -34,10 +34,10 @@ from deltasync.appliers import TorchModuleApplier
 from deltasync.cli import main as cli
 from deltasync.errors import ConflictError, DeltaFormatError, IntegrityError, ManifestError, StoreError, VersionError
 from deltasync.format import read_header
-from deltasync.manifest import MANIFEST_KEY, Manifest, referenced_keys
-from deltasync.publisher import ORPHAN_GRACE_S, Publisher, sweep_orphans
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, referenced_keys
+from deltasync.publish.publisher import ORPHAN_GRACE_S, Publisher, sweep_orphans
+from deltasync.replica.subscriber import Subscriber
 from deltasync.stores import Store, open_store
-from deltasync.subscriber import Subscriber
 from tests.conftest import make_store
 from tests.faults import FaultyProxy, FaultyStore
 from tests.format_helpers import with_header
@@ -430,8 +430,8 @@ class TestCrashedTrainer:
         for step in (4, 5):
             trainer.step()
             trainer.publish(dead, step)
-        dead._pool.shutdown(wait=True)  # the worker thread dies with the process
-        dead._uploads.shutdown(wait=True)
+        dead.background.close()  # the worker thread dies with the process
+        dead.writer_engine.uploads.shutdown(wait=True)
         manifest = Manifest.from_bytes(backend.get(MANIFEST_KEY))
         assert manifest.latest == 4 and not manifest.entry(4).anchor
         named = referenced_keys(manifest)
@@ -577,8 +577,8 @@ class TestForgedAnchors:
         assert replica.holds(before)
 
     def test_entries_that_differ_from_the_metadata(self) -> None:
-        from deltasync.diff import Snapshot
         from deltasync.format import decode, encode_anchor
+        from deltasync.publish.diff import Snapshot
 
         snapshot = Snapshot.capture(make_model())
         data = encode_anchor(dict(snapshot.items()), version=0, model=snapshot.specs)
@@ -657,7 +657,7 @@ class TestStartupAndRetries:
     """A store that is down when training starts does not hold the training loop; flaky objects get retried."""
 
     def test_first_publish_waits_only_a_bounded_time_for_a_stalled_store(self, tmp_path: Any, monkeypatch: Any) -> None:
-        import deltasync.publisher as publisher_module
+        import deltasync.publish.publisher as publisher_module
 
         monkeypatch.setattr(publisher_module, "OPEN_WAIT_S", 0.05)
         store = FaultyStore(open_store(str(tmp_path)))
@@ -676,7 +676,7 @@ class TestStartupAndRetries:
         assert_exact(trainer, replica)
 
     def test_objects_that_failed_transfers_are_retried_later(self, tmp_path: Any, monkeypatch: Any) -> None:
-        import deltasync.subscriber as subscriber_module
+        import deltasync.replica.subscriber as subscriber_module
 
         store = open_store(str(tmp_path))
         trainer = Trainer()

@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from deltasync.codec import Encoded, get_codec, kernels
 from deltasync.codec.compact import sign_values
-from deltasync.diff import TensorChange
 from deltasync.errors import CodecError, IntegrityError
-from deltasync.tensors import TensorSpec
+from deltasync.tensors import TensorChange, TensorSpec
 
 CODEC = get_codec("exp-rice")
 WIDTHS = {"BF16": (2, np.int16), "F16": (2, np.int16), "F32": (4, np.int32)}

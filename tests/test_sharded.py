@@ -22,10 +22,10 @@ import torch.multiprocessing as mp
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.format import read_header
-from deltasync.manifest import Manifest
-from deltasync.sharded import chunk_rows, shard_layout
+from deltasync.protocol.manifest import Manifest
+from deltasync.publish.sharded import chunk_rows, shard_layout
+from deltasync.replica.subscriber import Subscriber, UpdateInfo
 from deltasync.stores import open_store
-from deltasync.subscriber import Subscriber, UpdateInfo
 from tests.mp_helpers import make_model, model_digest
 from tests.sharded_helpers import callback_main, rank_main
 
@@ -162,7 +162,7 @@ def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str,
     url = str(tmp_path / "store")
     replica = dict(make_model(seed=1).to(torch.bfloat16).named_parameters())
     if mode == "zero3-lora-adapter":  # base weights in bf16 and the factors in their own dtype, as published
-        from deltasync.lora import LoraWeights
+        from deltasync.publish.lora import LoraWeights
         from tests.sharded_helpers import lora
 
         weights = LoraWeights(lora(make_model(seed=1)), mode="adapter")

@@ -24,11 +24,11 @@ import torch
 
 from deltasync.appliers import TorchModuleApplier
 from deltasync.demo.workload import make_weights, train_step
-from deltasync.manifest import MANIFEST_KEY, Manifest
-from deltasync.publisher import Publisher, PublishInfo
-from deltasync.retired import named_keys
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.retired import named_keys
+from deltasync.publish.publisher import Publisher, PublishInfo
+from deltasync.replica.subscriber import Subscriber, UpdateInfo
 from deltasync.stores import open_store
-from deltasync.subscriber import Subscriber, UpdateInfo
 from deltasync.tensors import weights_digest as digest
 
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_soak_quick(tmp_path: Path) -> None:
 
     def on_publish(info: PublishInfo) -> None:  # worker thread, right after the commit of info.version
         infos.append(info)
-        snapshot_digests[info.version] = digest(holder["pub"]._snapshot.items())  # type: ignore[union-attr]
+        snapshot_digests[info.version] = digest(holder["pub"].snapshot.items())  # type: ignore[union-attr]
 
     begin, late, stop = threading.Event(), threading.Event(), threading.Event()
     followers = [

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from deltasync.codec import DEFAULT_CODEC
-from deltasync.publisher import PublishInfo
+from deltasync.publish.publisher import PublishInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -244,7 +244,7 @@ def _tiny_loader(layers: int, dtype: torch.dtype) -> tuple[Any, Any]:
     """A small random Llama with SmolLM2's tokenizer: the whole session in a few seconds."""
     import transformers
 
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_checkpoint())
     config = transformers.LlamaConfig(

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from deltasync.appliers import TorchModuleApplier
-from deltasync.cache import CachedStore
 from deltasync.errors import IntegrityError
-from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef
-from deltasync.publisher import Publisher
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, ObjectRef
+from deltasync.publish.publisher import Publisher
+from deltasync.replica.cache import CachedStore, open_cached
+from deltasync.replica.subscriber import Subscriber
 from deltasync.stores import Store, open_store
 from deltasync.stores.wrap import DelegatingStore
-from deltasync.subscriber import Subscriber
 
 from .conftest import make_store
 from .faults import FaultyStore
@@ -390,20 +390,26 @@ class TestEviction:
         assert not tmp.exists()
 
 
-class TestOpenStore:
+class TestOpenCached:
     def test_cache_dir_option(self, run: str, tmp_path: Path) -> None:
-        store = open_store(run, cache_dir=str(tmp_path / "cache"), cache_max_bytes=1 << 20)
+        store = open_cached(run, str(tmp_path / "cache"), max_bytes=1 << 20)
         assert isinstance(store, CachedStore) and store.max_bytes == 1 << 20
         assert store.scheme == "file" and store.url == open_store(run).url
-        assert open_store(store, cache_dir=str(tmp_path / "cache")) is store
-        wrapped = open_store(FaultyStore(open_store(run)), cache_dir=str(tmp_path / "cache"))
+        assert open_cached(store, str(tmp_path / "cache")) is store
+        wrapped = open_cached(FaultyStore(open_store(run)), str(tmp_path / "cache"))
         assert isinstance(wrapped, CachedStore) and isinstance(wrapped.inner, FaultyStore)
+        assert not isinstance(open_cached(run, None), CachedStore)
 
     def test_cache_options_need_a_directory(self, run: str) -> None:
         with pytest.raises(ValueError, match="cache_dir"):
-            open_store(run, cache_max_bytes=1 << 20)
+            open_cached(run, None, max_bytes=1 << 20)
+
+    def test_open_store_points_to_the_replica_side(self, run: str, tmp_path: Path) -> None:
+        for option in ("cache_dir", "cache_max_bytes"):
+            with pytest.raises(ValueError, match=rf"open_store takes no {option}.*Subscriber"):
+                open_store(run, **{option: str(tmp_path)})
 
     def test_stores_keep_apart_in_one_directory(self, tmp_path: Path) -> None:
-        a = open_store(str(tmp_path / "a"), cache_dir=str(tmp_path / "cache"))
-        b = open_store(str(tmp_path / "b"), cache_dir=str(tmp_path / "cache"))
+        a = open_cached(str(tmp_path / "a"), str(tmp_path / "cache"))
+        b = open_cached(str(tmp_path / "b"), str(tmp_path / "cache"))
         assert isinstance(a, CachedStore) and isinstance(b, CachedStore) and a.root != b.root

@@ -416,8 +416,8 @@ class TestChangeFeed:
 
     def test_subscriber_wakes_on_publish(self, hub: FakeHub) -> None:
         torch = pytest.importorskip("torch")
-        from deltasync.publisher import Publisher
-        from deltasync.subscriber import Subscriber
+        from deltasync.publish.publisher import Publisher
+        from deltasync.replica.subscriber import Subscriber
         from tests.test_sync import assert_exact, model, replica, train
 
         url = hub.store_url(f"run-{uuid.uuid4().hex[:8]}")

@@ -27,9 +27,9 @@ from unittest import mock
 
 import pytest
 
-from deltasync.cache import CachedStore
 from deltasync.errors import IntegrityError, ObjectNotFound, StoreError
-from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, ObjectRef
+from deltasync.replica.cache import CachedStore
 from deltasync.stores import LocalStore, open_store
 from deltasync.stores.local import MAP_BYTES
 from deltasync.stores.mounts import filesystem_of, mappable, mount_of
@@ -207,7 +207,7 @@ class TestMapped:
     def test_parts_released_once_closing_are_dropped_by_the_caller(self, tmp_path: Path) -> None:
         """An update that ends while its subscriber closes keeps its result: its parts go on its own thread."""
         from deltasync.appliers import TorchModuleApplier
-        from deltasync.fetch import Fetcher
+        from deltasync.replica.fetch import Fetcher
 
         fetcher = Fetcher(LocalStore(tmp_path / "run"), TorchModuleApplier({}), workers=1)
         fetcher.close()

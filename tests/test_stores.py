@@ -277,8 +277,8 @@ class TestOpenStore:
         memory = MemoryStore("open-store-passthrough")
         assert open_store(memory) is memory
 
-    def test_cache_options_need_cache_dir(self, tmp_path: Path) -> None:
-        with pytest.raises(ConfigError, match="cache_max_bytes needs cache_dir"):
+    def test_cache_options_are_a_replicas(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError, match="open_store takes no cache_max_bytes"):
             open_store(str(tmp_path / "run"), cache_max_bytes=1 << 20)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -12,10 +13,10 @@ import torch
 from deltasync.appliers import TorchModuleApplier
 from deltasync.errors import ConflictError, FingerprintMismatch, IntegrityError, StoreError, VersionError
 from deltasync.format import raw_header, read_header
-from deltasync.manifest import MANIFEST_KEY, Manifest
-from deltasync.publisher import Publisher
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
+from deltasync.publish.publisher import Publisher
+from deltasync.replica.subscriber import Subscriber
 from deltasync.stores import MemoryStore, Store
-from deltasync.subscriber import Subscriber
 from deltasync.tensors import bits_view
 from tests.faults import FaultyStore
 
@@ -208,6 +209,27 @@ class TestEndToEnd:
         assert_exact(trainer, rep)
         assert seen and seen[-1].version == pub.version and seen[-1].lag_s >= 0
 
+    def test_wait_for_without_a_follower_says_what_to_call(self, tmp_path) -> None:
+        """A wait that nothing could end is refused at once, naming the call that was missing."""
+        trainer = model()
+        _, applier = replica()
+        sub = Subscriber(str(tmp_path), applier, poll_interval=0.01, max_poll_interval=0.05)
+        with Publisher(trainer, str(tmp_path)) as pub:
+            pub.publish(0, block=True)
+            pub.flush()
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"call start\(\) first"):
+                sub.wait_for(pub.version, timeout=30)
+            assert time.monotonic() - started < 5  # not the timeout
+            sub.update()
+            assert sub.wait_for(pub.version, timeout=0)  # held already: no follower needed
+            sub.start()
+            assert sub.wait_for(pub.version, timeout=20)
+            sub.stop()
+            with pytest.raises(RuntimeError, match="not following"):
+                sub.wait_for(pub.version + 1, timeout=30)
+        sub.close()
+
 
 class TestCoalescing:
     def test_slow_store_coalesces_instead_of_queuing(self) -> None:
@@ -301,7 +323,7 @@ class TestOwnership:
         second.flush()
         train(trainer, torch.optim.AdamW(trainer.parameters(), lr=1e-3))
         first.publish(1, block=True)
-        first._inflight.result()
+        first.background.wait()
         with pytest.raises(ConflictError):
             first.publish(2)
 
@@ -432,7 +454,7 @@ class TestUserCallbacks:
 def test_the_manifest_does_not_grow_with_the_publish_rate() -> None:
     """Retention retires objects every few versions; with a 300 s grace they pile up in retired.json, not in
     the manifest every replica re-reads."""
-    from deltasync.retired import read_retired
+    from deltasync.protocol.retired import read_retired
 
     store = MemoryStore("manifest-size")
     trainer = model()

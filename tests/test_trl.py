@@ -3,7 +3,7 @@
 The fast tests drive a transformers ``Trainer`` on a tiny model (no vLLM). The
 slow ones train SmolLM2-135M with TRL's ``GRPOTrainer`` (vLLM server mode) on
 CPU; the server is a real ``vllm.entrypoints.openai.api_server`` process that
-follows the store through ``python -m deltasync.appliers.vllm_follower``. One
+follows the store through ``deltasync follow``. One
 server serves both store backends (the follower is restarted per store).
 """
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from deltasync.appliers import TorchModuleApplier
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
+from deltasync.replica.subscriber import Subscriber
 from deltasync.stores import open_store
-from deltasync.subscriber import Subscriber
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(
@@ -236,7 +236,7 @@ class TestCallback:
 def test_untested_trl_versions_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     import trl
 
-    from deltasync.integrations import _trl_patch
+    from deltasync.integrations.trl import grpo_server as _trl_patch
 
     _trl_patch._check_trl()  # the installed, tested version passes
     monkeypatch.setattr(trl, "__version__", "9.9.9")
@@ -265,7 +265,7 @@ def _example() -> Any:
 @pytest.fixture(scope="module")
 def grpo_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One vLLM server (module form, plain CPU weights, deltasync worker extension) shared by both backends."""
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     example = _example()
     model = smollm2_checkpoint()
@@ -283,8 +283,8 @@ class TestGRPOServerMode:
     ) -> None:
         import trl.generation.vllm_client as vllm_client
 
-        from deltasync.appliers.file_drop import DROP_PREFIX, drop_parent
-        from deltasync.appliers.vllm_follower import VLLMFollower
+        from deltasync.appliers.vllm.file_drop import DROP_PREFIX, drop_parent
+        from deltasync.appliers.vllm.follower import VLLMFollower
         from deltasync.integrations import DeltaSyncCallback
         from tests.vllm_helpers import assert_engine_exact
 
@@ -341,7 +341,7 @@ class TestGRPOServerMode:
 
 
 def test_server_version_labels_are_tied_to_the_run() -> None:
-    from deltasync.appliers.vllm_follower import parse_version_label, version_label
+    from deltasync.appliers.vllm.follower import parse_version_label, version_label
 
     run = "3f1d2c4b5a6e7788"
     assert version_label(7, run) == "7@3f1d2c4b5a6e" and version_label(7, None) == "7"
@@ -360,7 +360,7 @@ def test_server_version_labels_are_tied_to_the_run() -> None:
 def test_a_server_answer_that_is_not_a_version_reads_as_none(body: bytes) -> None:
     """The trainer waits on what a server's /weight_info says; an answer of another shape reads as "no version
     yet" (the wait goes on, then times out with its hint), never as an error in the training step."""
-    from deltasync.integrations.trl import _server_version
+    from deltasync.integrations.trl.callback import _server_version
     from tests.http_helpers import answering
 
     with answering(body) as url:

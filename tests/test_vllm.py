@@ -13,10 +13,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from deltasync.appliers.wire import pack
+from deltasync.appliers.vllm.wire import pack
 from deltasync.errors import FingerprintMismatch, IntegrityError
 from deltasync.format import Header
-from deltasync.publisher import Publisher
+from deltasync.publish.publisher import Publisher
 from tests.vllm_helpers import (
     BENCH_EXTENSION,
     VLLM_TESTS,
@@ -35,7 +35,7 @@ pytestmark = VLLM_TESTS
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.demo.models import smollm2_checkpoint
 
     return smollm2_checkpoint()
 
@@ -43,7 +43,7 @@ def smollm2() -> Path:
 @pytest.fixture(scope="module")
 def plain_run(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
     """TP=1 SmolLM2 with plain CPU weights, following a trainer's run from the checkpoint it loaded."""
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
 
     store = str(tmp_path_factory.mktemp("vllm-plain") / "run")
     trainer = Trainer(smollm2, lr=1e-5)
@@ -114,10 +114,10 @@ class TestPlainWeights:
         """A version written as two trainer-rank shards (rows split in half) reaches the engine exactly."""
         import time
 
-        from deltasync.diff import Snapshot, diff
         from deltasync.format import encode_delta
-        from deltasync.manifest import MANIFEST_KEY, Manifest, ObjectRef, VersionEntry
-        from deltasync.sharded import chunk_rows
+        from deltasync.protocol.manifest import MANIFEST_KEY, Manifest, ObjectRef, VersionEntry
+        from deltasync.publish.diff import Snapshot, diff
+        from deltasync.publish.sharded import chunk_rows
         from deltasync.stores import open_store
         from deltasync.tensors import TensorSpec
 
@@ -245,7 +245,7 @@ class TestPlainWeights:
         """The worker reads an anchor the follower dropped (a server's path: no base64 text), checks it and
         writes every element; a dropped file that is not the follower's is answered ``unreadable`` (not a
         refusal of the version) and nothing is written."""
-        from deltasync.appliers.file_drop import FileDrop
+        from deltasync.appliers.vllm.file_drop import FileDrop
         from deltasync.format import encode_anchor
 
         _, follower, _, trainer, _ = plain_run
@@ -279,7 +279,7 @@ class TestPlainWeights:
         import gc
         import weakref
 
-        from deltasync.appliers.vllm_follower import VLLMFollower
+        from deltasync.appliers.vllm.follower import VLLMFollower
 
         llm, follower, *_ = plain_run
         gc.disable()
@@ -299,7 +299,7 @@ class TestPlainWeights:
 
 class TestTensorParallel:
     def test_tp2_qwen3_exact_on_both_ranks(self, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-        from deltasync.appliers.vllm_follower import VLLMFollower
+        from deltasync.appliers.vllm.follower import VLLMFollower
 
         model_dir = tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3", smollm2)
         store = str(tmp_path_factory.mktemp("vllm-tp2") / "run")
@@ -326,7 +326,7 @@ class TestTensorParallel:
 
 class TestPackedFallback:
     def test_cpu_packed_layers_exact_from_anchor(self, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-        from deltasync.appliers.vllm_follower import VLLMFollower
+        from deltasync.appliers.vllm.follower import VLLMFollower
 
         store = str(tmp_path_factory.mktemp("vllm-packed") / "run")
         trainer = Trainer(smollm2, lr=1e-5)

@@ -1,6 +1,6 @@
 """A LoRA run followed by real vLLM engines serving the adapter (vLLM's CPU LoRA), through both forms.
 
-The trainer publishes :class:`deltasync.lora.LoraWeights` in ``"auto"`` mode:
+The trainer publishes :class:`deltasync.publish.lora.LoraWeights` in ``"auto"`` mode:
 merged weights while its learning rate is small, the adapter itself once it is
 large. An engine follows the whole run: its weights equal the published base
 names bit for bit at every version, and while the run is in adapter form it
@@ -42,7 +42,7 @@ def follow_auto_run(
     the follower holds it: engine weights exact, and ``check(follower, form, trainer_adapter_dir)``."""
     from safetensors.torch import load_file
 
-    from deltasync.lora import WEIGHTS_NAME, LoraWeights
+    from deltasync.publish.lora import WEIGHTS_NAME, LoraWeights
 
     trainer = Trainer(base)
     config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear")
@@ -86,8 +86,8 @@ def test_in_process_engine_follows_merged_then_serves_the_adapter(tmp_path: Path
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from deltasync.appliers.vllm_follower import VLLMFollower
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.demo.models import smollm2_checkpoint
 
     base = tiny_qwen3(tmp_path / "tiny-qwen3", smollm2_checkpoint())
     with engine(base, enable_lora=True, max_lora_rank=RANK, max_loras=2) as llm:
@@ -113,9 +113,9 @@ def test_in_process_engine_follows_merged_then_serves_the_adapter(tmp_path: Path
 
 
 def test_server_replica_serves_each_versions_adapter_under_one_name(tmp_path: Path) -> None:
-    from deltasync.appliers.vllm_follower import VLLMFollower
-    from deltasync.appliers.vllm_lora import LORA_NAME
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.appliers.vllm.lora import LORA_NAME
+    from deltasync.demo.models import smollm2_checkpoint
     from tests.test_trl import _example
 
     example = _example()
@@ -151,10 +151,10 @@ def test_grpo_lora_run_generates_from_the_servers_adapter(tmp_path: Path) -> Non
     import trl  # noqa: F401  (the GRPO stack must be importable)
     from safetensors.torch import load_file
 
-    from deltasync.appliers.vllm_follower import VLLMFollower
+    from deltasync.appliers.vllm.follower import VLLMFollower
+    from deltasync.demo.models import smollm2_checkpoint
     from deltasync.integrations import DeltaSyncCallback
-    from deltasync.lora import LORA_NAME, WEIGHTS_NAME, LoraWeights
-    from deltasync.models import smollm2_checkpoint
+    from deltasync.publish.lora import LORA_NAME, WEIGHTS_NAME, LoraWeights
     from tests.test_trl import _example
 
     example = _example()

@@ -13,10 +13,10 @@ import torch
 from deltasync.appliers.apply import write_patches
 from deltasync.appliers.mapping import IndexMap, Target
 from deltasync.appliers.verify import check_written, same_bits
-from deltasync.appliers.worker_decode import decode_here, refusal_from_json, refusal_to_json, warm_decoder
-from deltasync.diff import Snapshot, diff
+from deltasync.appliers.vllm.rank_decode import decode_here, refusal_from_json, refusal_to_json, warm_decoder
 from deltasync.errors import DeltaSyncError, IntegrityError, TensorMismatch
 from deltasync.format import encode_anchor, encode_delta
+from deltasync.publish.diff import Snapshot, diff
 from deltasync.tensors import TensorSpec
 
 
@@ -129,7 +129,7 @@ def test_the_host_decode_reads_whole_plain_tensors_in_place_and_others_through_t
     """A tensor held whole in one plain CPU parameter in its published dtype is read by the compiled rebuild
     from a view of the weights (``IndexMap.flat_bits``); boxes, tables, a tensor held in part or in a wider
     dtype are read through the map. Both end exact."""
-    from deltasync.appliers import worker_decode
+    from deltasync.appliers.vllm import rank_decode as worker_decode
 
     reads: list[str] = []
     real = worker_decode.read_bits

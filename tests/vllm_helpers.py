@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from deltasync.manifest import MANIFEST_KEY, Manifest
+from deltasync.protocol.manifest import MANIFEST_KEY, Manifest
 from deltasync.stores import open_store
 
 VLLM_TESTS = [
@@ -25,7 +25,7 @@ VLLM_TESTS = [
 ]
 """The marks of a test module that starts real vLLM engines."""
 
-EXTENSION = "deltasync.appliers.vllm.DeltaSyncWorkerExtension"
+EXTENSION = "deltasync.appliers.vllm.worker.DeltaSyncWorkerExtension"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "One, two, three,"]
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all afternoon.",
@@ -237,8 +237,8 @@ def runtime_digests(worker: Any) -> dict[str, str]:
     """
     import hashlib
 
-    from deltasync.appliers.cpu_hooks import plain_weights
-    from deltasync.appliers.vllm_mapping import runtime_params
+    from deltasync.appliers.vllm.cpu_hooks import plain_weights
+    from deltasync.appliers.vllm.mapping import runtime_params
 
     model = worker.get_model()
     return {
@@ -281,7 +281,7 @@ def assert_engine_exact(follower: Any, weights: dict[str, torch.Tensor]) -> None
 class BenchExtension:
     """Worker-side timings for ``benchmarks/vllm_apply.py``: vLLM's own update paths, in the same worker.
 
-    Mixed in after :class:`~deltasync.appliers.vllm.DeltaSyncWorkerExtension` (see :data:`BENCH_EXTENSION`).
+    Mixed in after :class:`~deltasync.appliers.vllm.worker.DeltaSyncWorkerExtension` (see :data:`BENCH_EXTENSION`).
     """
 
     def bench_load_full(self, checkpoint: str, repeats: int) -> list[float]:
@@ -309,7 +309,7 @@ class BenchExtension:
             load_checkpoint_weight_patches,
         )
 
-        from deltasync.appliers.wire import unpack
+        from deltasync.appliers.vllm.wire import unpack
 
         index = self._deltasync_index  # type: ignore[attr-defined]
         patches = [
@@ -332,7 +332,7 @@ class BenchExtension:
 
 
 def _bench_extension() -> type:
-    from deltasync.appliers.vllm import DeltaSyncWorkerExtension
+    from deltasync.appliers.vllm.worker import DeltaSyncWorkerExtension
 
     return type("DeltaSyncBenchExtension", (DeltaSyncWorkerExtension, BenchExtension), {})
 

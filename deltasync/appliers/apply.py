@@ -23,7 +23,7 @@ Limitations:
 - Checks cover what a payload can get wrong; a write that fails after the
   checks (device out of memory, a layout's own error) can leave earlier
   entries written. The next anchor rewrites every element.
-- Version order is the caller's: :class:`~deltasync.subscriber.Subscriber`
+- Version order is the caller's: :class:`~deltasync.replica.subscriber.Subscriber`
   plans the route, and the checkpoint applier refuses a delta onto a torn
   directory before its first write.
 """
@@ -38,8 +38,8 @@ import torch
 
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
-from ..gc_pause import collector_paused
 from ..tensors import TensorSpec, host_ints, positions, segment_owners, stage
+from ..util.collector import collector_paused
 from .mapping import PLAIN, IndexMap, Target, from_start
 
 __all__ = [

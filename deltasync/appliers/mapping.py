@@ -102,8 +102,7 @@ class Layout:
 
 
 def _plain_read(data: torch.Tensor, runtime: torch.Tensor, published: torch.dtype) -> torch.Tensor:
-    # index_select, not data[runtime]: the general indexing kernel took twice as long on one CPU thread
-    # (2.4 against 1.3 ms for 283K scattered reads of a 28M-element bf16 weight).
+    # index_select, not data[runtime]: the general indexing kernel is slower at scattered reads on the CPU.
     picked = data.view(-1).index_select(0, runtime)
     if picked.dtype != published:
         picked = picked.to(published)
@@ -120,7 +119,7 @@ def _plain_write(data: torch.Tensor, runtime: torch.Tensor, bits: torch.Tensor, 
 
 def _write_bits(flat: torch.Tensor, runtime: torch.Tensor, bits: torch.Tensor) -> None:
     """``flat[runtime] = bits`` in place: on the CPU by the compiled scatter (:func:`~deltasync.codec.kernels.put`,
-    1.6x faster than torch's kernels into weights not in cache), elsewhere by :func:`~deltasync.tensors.write_at`."""
+    faster than torch's kernels into weights not in cache), elsewhere by :func:`~deltasync.tensors.write_at`."""
     if flat.is_cpu and runtime.is_cpu and bits.is_cpu and runtime.dtype == torch.int64 and bits.dtype == flat.dtype:
         put(flat.detach().numpy(), runtime.contiguous().numpy(), bits.detach().contiguous().numpy())
         increment_version(flat)  # as torch's in-place writes do
@@ -265,9 +264,8 @@ class Target:
     def region(self, data: torch.Tensor, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The elements this target holds as two views of one shape: of the parameter's ``data`` (contiguous)
         and of ``whole`` (every element of the checkpoint tensor, flat, in its order). A whole tensor is then
-        written and read back with one strided copy and compare instead of an index per element: a SmolLM2
-        anchor's decode, write and read-back in a vLLM CPU worker took 2.1-2.5 s by index, 0.36 s this way
-        (``benchmarks/vllm_anchor.py``). ``None`` for a table."""
+        written and read back with one strided copy and compare instead of an index per element, several times
+        faster for an anchor (``benchmarks/vllm_anchor.py``). ``None`` for a table."""
         if self.table is not None:
             return None
         if self.flat is not None:

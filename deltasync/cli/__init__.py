@@ -4,13 +4,15 @@
     deltasync status URL [--json] [--versions N]       run, writer, versions, anchors, sizes, replica lag
     deltasync gc URL [--dry-run] [--grace SECONDS]     delete retired objects and orphans of crashed publishes
     deltasync watch URL --model DIR [--once]           keep a safetensors checkpoint directory at the latest version
+    deltasync follow --store URL --server URL --model DIR   keep a vLLM server at the latest version
+    deltasync demo                                      the main job: train, publish, follow, end to end
 
 ``FILE`` is a local path, or a store URL plus a key (``s3://bucket/run1/deltas/000007.safetensors``
 is read through the S3 backend). ``URL`` is a run prefix as the publisher was given it; credentials
 come from the environment, and store URLs are printed without user info or query strings.
 Exit code 0 on success, 2 on anything deltasync refuses (a bad file, no manifest, a rejected update).
 
-Each command lives in its own module (:mod:`.inspect`, :mod:`.status`, :mod:`.gc`, :mod:`.watch`)
+Each command lives in its own module (:mod:`.inspect`, :mod:`.status`, :mod:`.gc`, :mod:`.watch`, :mod:`.follow`)
 with an ``add_parser`` that registers it and a ``run`` that executes it; ``deltasync demo`` is
 :mod:`deltasync.demo`, hooked in here.
 """
@@ -23,14 +25,15 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import DeltaSyncError
-from . import gc, inspect, status, watch
+from ..util.collector import allow_pauses
+from . import follow, gc, inspect, status, watch
 from .common import safe_url
 from .inspect import describe
 from .status import collect_status
 
 __all__ = ["build_parser", "collect_status", "describe", "main", "safe_url"]
 
-_COMMANDS = (inspect, status, gc, watch)
+_COMMANDS = (inspect, status, gc, watch, follow)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``deltasync`` command."""
     args = build_parser().parse_args(argv)
+    allow_pauses()  # a process the command owns: deltasync may hold the collector off amid its work
     try:
         return int(args.func(args))
     except DeltaSyncError as exc:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import ObjectNotFound, StoreError
-from ..keys import MANIFEST_KEY
-from ..manifest import MAX_MANIFEST_BYTES, Manifest
+from ..protocol.keys import MANIFEST_KEY
+from ..protocol.manifest import MAX_MANIFEST_BYTES, Manifest
 
 if TYPE_CHECKING:
     from ..stores import Store

@@ -15,12 +15,12 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..acks import ACK_TTL_S, stale_acks
-from ..commit import ORPHAN_GRACE_S, classify_orphans, cleanup_blocked, orphan_grace, plan_retired_cleanup
 from ..errors import ObjectNotFound, PreconditionFailed
-from ..keys import MANIFEST_KEY, RETIRED_KEY
-from ..manifest import RETIRE_GRACE_S, Manifest
-from ..retired import read_retired, write_retired
+from ..protocol.acks import ACK_TTL_S, stale_acks
+from ..protocol.commit import ORPHAN_GRACE_S, classify_orphans, cleanup_blocked, orphan_grace, plan_retired_cleanup
+from ..protocol.keys import MANIFEST_KEY, RETIRED_KEY
+from ..protocol.manifest import RETIRE_GRACE_S, Manifest
+from ..protocol.retired import read_retired, write_retired
 from .common import format_duration, format_size, load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:

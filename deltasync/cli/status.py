@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..manifest import Manifest, VersionEntry, summarize
+from ..protocol.manifest import Manifest, VersionEntry, summarize
 from .common import (
     Column,
     format_duration,
@@ -204,9 +204,9 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print a run prefix's status (tables, or JSON with ``--json``)."""
-    from ..commit import classify_orphans
-    from ..retired import read_retired
-    from ..subscriber import read_acks
+    from ..protocol.commit import classify_orphans
+    from ..protocol.retired import read_retired
+    from ..replica.subscriber import read_acks
 
     with open_existing(args.url) as store:
         manifest, _ = load_manifest(store)

@@ -1,7 +1,7 @@
 """``deltasync watch URL --model DIR``: keep a safetensors checkpoint directory at the latest version.
 
 An empty directory is initialised from the newest anchor (waiting for one to be published unless
-``--once``); then a :class:`~deltasync.subscriber.Subscriber` applies every new version in place
+``--once``); then a :class:`~deltasync.replica.subscriber.Subscriber` applies every new version in place
 and the checkpoint records the version it holds, so a restarted watch resumes from there. Runs until
 Ctrl-C or SIGTERM (an update in progress finishes first); ``--once`` applies what is available and
 exits.
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ObjectNotFound, VersionError
-from ..stopping import run_until_signal
+from ..util.signals import run_until_signal
 from .common import load_manifest, open_existing, safe_url
 
 if TYPE_CHECKING:
-    from ..subscriber import Subscriber, UpdateInfo
+    from ..replica.subscriber import Subscriber, UpdateInfo
 
 WAIT_INTERVAL_S = 5.0  # how often `watch` looks for a first anchor on an empty prefix
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     replica = args.replica_id or f"watch-{socket.gethostname()}-{directory.resolve().name}"
     stop = threading.Event()
     try:
-        from ..appliers.checkpoint import has_checkpoint
+        from ..appliers.checkpoint.applier import has_checkpoint
 
         if not has_checkpoint(directory) and not _initialise(args, directory, replica, stop):
             return 0
@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace, directory: Path, replica: str, stop: threading.Event) -> int:
-    from ..appliers.checkpoint import CheckpointDirApplier
-    from ..subscriber import Subscriber
+    from ..appliers.checkpoint.applier import CheckpointDirApplier
+    from ..replica.subscriber import Subscriber
 
     applier = CheckpointDirApplier(directory)
     resume = applier.resume_options()
@@ -150,7 +150,7 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _initialise(args: argparse.Namespace, directory: Path, replica: str, stop: threading.Event) -> bool:
     """Create the checkpoint from the newest anchor; ``False`` if stopped while waiting for one."""
-    from ..appliers.checkpoint import SINGLE_FILE, initialise_checkpoint
+    from ..appliers.checkpoint.applier import SINGLE_FILE, initialise_checkpoint
 
     if not _wait_for_anchor(args, stop):
         return False

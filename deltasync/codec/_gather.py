@@ -19,16 +19,14 @@ from ._numba import OK, OUT_OF_RANGE, U, inline, jit
 AHEAD = 192
 """How many changes ahead :func:`take` (and ``rebuild``) ask for their next reads. A replica's weights are
 far larger than the caches, so at RL densities each change's read misses; hinted this far ahead, the misses
-overlap instead of waiting in turn. On one core, 64 tensors of 2M bf16 elements, sorted random indices, ns per
-change unhinted / hinted 64, 128, 256 and 512 ahead: 8.8 / 3.4, 2.8, 3.0, 3.3 at 1 % density; 6.9 / 3.2, 2.5,
-2.5, 2.8 at 0.3 %; 2.4 / 1.9, 1.5, 1.4, 1.4 at 4.5 %. Over a synthetic step's change set (1 %, 1.28M changes),
-192 ahead read it in 3.5 ms against 3.7 at 256, 3.8 at 128 and 4.6 at 64. The lines in flight are a few kB:
-far below any level of cache."""
+overlap instead of waiting in turn. The distance is the best of those compared from 64 to 512 ahead over sparse
+random reads (``benchmarks/README.md``, Measurements behind the code's choices). The lines in flight are a few
+kB: far below any level of cache."""
 
 SPARSE = 20
 """:func:`take` hints its reads when fewer than one element in ``SPARSE`` is read (below 5 % density). Denser
 reads stream through memory that the CPU's own prefetcher already fetches in order; hints there only cost
-instructions (0.65-0.7x at 20-50 %)."""
+instructions and slow the read."""
 
 
 @intrinsic
@@ -97,8 +95,7 @@ take = _pick_take()
 def put(dst: Any, indices: Any, values: Any) -> int:
     """``dst[indices] = values`` in order, up to the first index out of range (``OUT_OF_RANGE``).
 
-    Unhinted: a write that misses waits in the store buffer, not in the loop. Hints for writing were measured
-    and left out (3.6-3.8 ms with and without them for 1.28M changes into 256 MB of cold weights)."""
+    Unhinted: a write that misses waits in the store buffer, not in the loop, so a hint gains nothing here."""
     size = dst.size
     for j in range(indices.size):
         at = indices[U(j)]

@@ -16,8 +16,7 @@ OK, BAD_ESCAPES, OUT_OF_RANGE = 0, 1, 2
 
 U = np.uint64
 """An index the kernel knows is non-negative, cast with ``U(i)``: numba then leaves out its handling of negative
-indices (a sign test and a reload on every access). In the hot loops of a rebuild that was 12 % of its time
-(8.0 -> 7.0 ms for a synthetic step's 1.28M changes on one core) and a quarter of the value merge's. Only where the
+indices (a sign test and a reload on every access), a real share of a rebuild's hot loops. Only where the
 kernel's own checks prove the index is within the array: unlike a wrapped negative index, a wrong one reads
 outside it."""
 
@@ -33,6 +32,6 @@ def jit(fn: Any) -> Any:
 
 def inline(fn: Any) -> Any:
     """A loop body compiled into each caller. Called with a literal (a width, a flag), the compiler drops the
-    loops and branches that literal decides: a specialised copy per width, about 1.5x faster than one loop
-    over the width."""
+    loops and branches that literal decides: a specialised copy per width, faster than one loop over the
+    width."""
     return numba.njit(inline="always", boundscheck=False)(fn)

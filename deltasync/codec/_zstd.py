@@ -1,7 +1,7 @@
 """zstandard framing with hard limits: one frame, declared size, nothing more.
 
 Compression contexts are kept per thread and reused: a context is not
-thread-safe, and creating one per call cost about a third of compressing a
+thread-safe, and creating one per call costs a large share of compressing a
 typical tensor's few kilobytes (and the allocation churn slows parallel
 encoders further). A reused context produces the same bytes as a fresh one.
 """

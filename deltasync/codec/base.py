@@ -1,6 +1,6 @@
 """The codec protocol: how one tensor's changes become named safetensors entries.
 
-A codec turns a :class:`~deltasync.diff.TensorChange` into a few named arrays
+A codec turns a :class:`~deltasync.publish.diff.snapshot.TensorChange` into a few named arrays
 (``parts``) plus a small JSON-able ``params`` dict, and back. The container
 (:mod:`deltasync.format`) stores each part as the safetensors entry
 ``"{tensor}::{part}"`` and the params in the file's metadata.
@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec, bits_dtype
+from ..tensors import TensorChange, TensorSpec, bits_dtype
 
 __all__ = [
     "Codec", "Encoded", "Decoded", "BaseLookup", "FlatLookup", "Parts", "Params", "check_part", "check_indices",
@@ -154,7 +153,7 @@ def check_indices(indices: np.ndarray, spec: TensorSpec) -> np.ndarray:
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array (no copy)."""
-    if tensor.is_cpu and not tensor.requires_grad:  # a file's entry: half the cost of the general path
+    if tensor.is_cpu and not tensor.requires_grad:  # a file's entry: cheaper than the general path
         return tensor.numpy()
     return tensor.detach().cpu().numpy()
 

@@ -26,9 +26,8 @@ import blake3
 import numpy as np
 import torch
 
-from ..diff import TensorChange
 from ..errors import CodecError, IntegrityError
-from ..tensors import TensorSpec
+from ..tensors import TensorChange, TensorSpec
 from ._zstd import compress, decompress
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 from .kernels import gap_payload, step_payload

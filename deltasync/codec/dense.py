@@ -3,13 +3,12 @@
 Part ``val`` holds every element of the new tensor in the published dtype and
 its full shape. The publisher picks it automatically when indexing the changes
 would cost more than sending the tensor (see ``DENSE_FRACTION`` in
-:mod:`deltasync.diff`); it is also how anchors carry tensors.
+:mod:`deltasync.publish.diff.snapshot`); it is also how anchors carry tensors.
 """
 
 from __future__ import annotations
 
-from ..diff import TensorChange
-from ..tensors import TensorSpec
+from ..tensors import TensorChange, TensorSpec
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, value_bits
 
 

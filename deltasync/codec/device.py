@@ -31,8 +31,8 @@ weights live:
    :data:`BATCH` changed elements, which bounds its scratch memory; every batch
    is queued before the wait (a thread inflates the next batch while the host
    queues the ops of this one, and the device runs them). The host raises the first failed check in file order, then
-   checks every tensor's value digest (BLAKE3 on a few threads: about 0.5 ns
-   per change) before anything is written.
+   checks every tensor's value digest (BLAKE3 on a few threads) before anything
+   is written.
 
 The indices and values stay on the device for the applier (no second copy).
 The code is device-agnostic and runs on CPU tensors too (tests prove it
@@ -52,10 +52,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..device_diff import Phases, WaitCounter, to_host
 from ..errors import CodecError
-from ..parallel import map_shared, mostly_python
 from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
+from ..tensors.device import Phases, WaitCounter, to_host
+from ..util.threads import map_shared, mostly_python
 from ._zstd import decompress, decompress_into
 from .base import Decoded, Params, Parts, check_part, to_numpy
 from .compact import GAP_WIDTHS, check_values
@@ -88,7 +88,7 @@ class DeviceReader(Protocol):
         ...
 
 
-@dataclass(slots=True)  # not frozen: one is made per tensor per decode, in 0.2 us against 0.8 for a frozen one
+@dataclass(slots=True)  # not frozen: one is made per tensor per decode, and a frozen one costs more to make
 class Streams:
     """One tensor's streams (or their checked frames) and what the header says about them (host side)."""
 
@@ -364,7 +364,7 @@ def _queue_group(
         indices = indices + shift
         safe = safe + shift if safe is not None else None
     position = {k: p for p, k in enumerate(plan.order)}
-    # Per-tensor views by one split each (a third of the host time of a slice per tensor).
+    # Per-tensor views by one split each: less host time than a slice per tensor.
     in_order = [items[k].nnz for k in plan.order]
     tensor_indices = dict(zip(plan.order, indices.split(in_order)))
     tensor_safe = dict(zip(plan.order, safe.split(in_order))) if safe is not None else {}
@@ -378,14 +378,14 @@ def _queue_group(
         if base_relative:
             current = torch.empty(count, dtype=BITS_BY_SIZE[width], device=device)
             reader.gather_into([(items[k].name, tensor_safe[k]) for k in members], current)  # in their places
-            segment = segment_owners(col[f"count{key}"], count).to(torch.int32)  # 32-bit sort keys: 2x faster
+            segment = segment_owners(col[f"count{key}"], count).to(torch.int32)  # 32-bit sort keys sort faster
             buffer = _add_base(words, current, width, segment)
         else:
             buffer = words.to(BITS_BY_SIZE[width])
         flat = to_host(buffer).numpy()  # lands by the wait
         values.update(zip(members, buffer.split(sizes)))
         ends = itertools.accumulate(sizes)
-        on_host.update((k, flat[end - n : end]) for k, n, end in zip(members, sizes, ends))  # 4x np.split's speed
+        on_host.update((k, flat[end - n : end]) for k, n, end in zip(members, sizes, ends))  # cheaper than np.split
     decoded = {item.name: Decoded(tensor_indices[k], values[k]) for k, item in enumerate(items)}
     return _Queued(items, decoded, to_host(ok), on_host, position, host)
 

@@ -3,9 +3,9 @@
 The numpy decoder (:class:`~deltasync.codec.compact.CompactCodec`) rebuilds a
 tensor's changes in some twenty array passes (plane merge, escape search,
 widening, prefix sum, exponent sort, zigzag, sum), each a trip through memory
-and most with a fresh int64 temporary; the encoder took about as many. These
-kernels do the same work in one or two loops per stream, compiled once by numba
-(cached on disk) and run without the GIL:
+and most with a fresh int64 temporary; an encode in numpy would take about as
+many. These kernels do the same work in one or two loops per stream, compiled
+once by numba (cached on disk) and run without the GIL:
 
 - :func:`gap_indices` (decode): byte planes merged, escapes resolved from the
   side stream, gaps summed into indices, every index bounds-checked as it is made;
@@ -70,8 +70,8 @@ def take(src: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
     """``src[indices]`` for a flat ``src`` and int64 ``indices``; ``None`` if any index is out of range.
 
     A replica's base read at the changed elements: one cache miss per change, overlapped by hints below
-    5 % density (:mod:`._gather`): on one core at 1 % of a 256 MB model, 2.8-3.0 ns per change against 5.9
-    for torch's ``index_select`` and 8.8 for the same gather without hints.
+    5 % density (:mod:`._gather`), which makes it faster than torch's ``index_select`` and than the same
+    gather without hints (``benchmarks/README.md``, Measurements behind the code's choices).
     """
     out = np.empty(indices.size, dtype=src.dtype)
     return out if _kernels().take(src, indices, out) == 0 else None
@@ -80,9 +80,8 @@ def take(src: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
 def put(dst: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
     """``dst[indices] = values`` in place, for a flat ``dst``, int64 ``indices`` and ``values`` of ``dst``'s dtype.
 
-    A CPU replica's write of a validated patch: on one core, 1.28M changes into 256 MB of weights not in cache
-    in 3.7 ms, against 5.9-6.2 for torch's ``index_copy_`` and 6.9 for ``index_put_`` on two threads (13.2 on
-    one).
+    A CPU replica's write of a validated patch: on one core it beats torch's ``index_copy_`` and
+    ``index_put_`` on two threads into weights not in cache (``benchmarks/device_sync.py``, its ``apply`` row).
 
     Raises:
         `ValueError`: ``values`` of another length or dtype; `IndexError`: an index out of range (every

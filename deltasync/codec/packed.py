@@ -7,7 +7,7 @@ the gap planes decoded a little ahead of the base reads, each read hinted, then
 the values added in one pass); elsewhere the indices, the receiver's read of its
 base and the values are three steps. Only zstd and the BLAKE3 check run between
 the calls. Tensors are grouped into chunks of
-up to :data:`CHUNK` of work (changed elements, and :data:`~deltasync.parallel.TENSOR_COST` for each
+up to :data:`CHUNK` of work (changed elements, and :data:`~deltasync.util.threads.TENSOR_COST` for each
 tensor) so the decode threads take a few large, evenly weighed tasks each
 instead of hundreds of small ones.
 
@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from ..errors import DeltaSyncError
-from ..parallel import TENSOR_COST
+from ..util.threads import TENSOR_COST
 from .base import BaseLookup, Decoded, FlatLookup
 from .compact import SIGNED, UNSIGNED, check_values, unplanes
 from .device import Streams
@@ -36,7 +36,7 @@ __all__ = ["CHUNK", "decode_chunk", "chunks", "work"]
 
 CHUNK = 1 << 18
 """Work per chunk (per task of the decode threads), in changed elements with
-:data:`~deltasync.parallel.TENSOR_COST` added for each tensor: 12 tensors of 20K changes each in ``device_sync``."""
+:data:`~deltasync.util.threads.TENSOR_COST` added for each tensor: 12 tensors of 20K changes each in ``device_sync``."""
 
 
 class _Refused(Exception):
@@ -79,8 +79,7 @@ def _decode(items: Sequence[Streams], base: BaseLookup | None) -> list[Decoded]:
     out = []
     flat = base.flat if isinstance(base, FlatLookup) else None
     # Every tensor's flat view first, its few torch calls one after another: made between two rebuilds, each of
-    # which streams megabytes of weights through the caches, they ran cold at 3-4x the cost (64 tensors of the
-    # synthetic step, one thread: 1.5-2.2 ms of views a decode against 0.5).
+    # which streams megabytes of weights through the caches, they would run cold, at several times the cost.
     sources = [flat(item.name) if flat is not None and item.base_relative else None for item in items]
     for item, src in zip(items, sources):
         width = item.spec.torch_dtype.itemsize

@@ -9,13 +9,13 @@ exponent 0 (in index order), then all of exponent 1, and so on. A change's
 ``compact`` codes indices, and the values follow in rank order as ``compact``'s
 base-relative zigzag words. Gaps inside a dense class are short, so the index
 stream shrinks towards the entropy of the changes given the exponents: on
-SmolLM2 RL steps a version takes 0.84 bytes per changed element against
-``compact``'s 1.43 (``benchmarks/payload.py``).
+SmolLM2 RL steps a version takes far fewer bytes per changed element than
+``compact`` (``benchmarks/payload.py``, tabled in ``benchmarks/README.md``).
 
 The price is an O(numel) pass on both sides per changed tensor and version:
 the writer and the reader each count the whole tensor's exponents and walk it
-once more (compiled kernels of :mod:`.kernels`, about a nanosecond per element),
-and the reader reads every base element. That is a codec a user picks
+once more (compiled kernels of :mod:`.kernels`), and the reader reads every
+base element. That is a codec a user picks
 for slow links, not the default. A reader whose base differs from the
 writer's decodes other positions; the values' digest (``sum``, as in
 ``compact``) refuses that before anything is written.
@@ -26,9 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec
+from ..tensors import TensorChange, TensorSpec
 from ._zstd import compress, decompress
 from .base import BaseLookup, Decoded, Encoded, FlatLookup, Params, Parts, check_part, to_numpy
 from .compact import (
@@ -90,16 +89,16 @@ def ranked_steps(change: TensorChange, starts: np.ndarray | None = None) -> tupl
 
 
 WHOLE_CHUNK = 1 << 18
-"""Elements per base read of :func:`whole_base`: its index array stays in cache (an index array of the
-whole tensor is 8 bytes of memory traffic per element, twice: 2.7 against 1.3 ns per element)."""
+"""Elements per base read of :func:`whole_base`: its index array stays in cache, where an index array of the
+whole tensor would add 8 bytes of memory traffic per element, twice."""
 
 
 def whole_base(base: BaseLookup, spec: TensorSpec) -> np.ndarray:
     """Every element of the receiver's tensor ``spec``, as bit patterns: what an exponent-ranked codec reads.
 
     A receiver that holds the tensor whole on the host (a :class:`~.base.FlatLookup` with a ``flat`` view of
-    it) hands over its weights themselves, read in place: nothing writes them while a file decodes (a third of
-    a SmolLM2 version's ``exp-rice`` decode went to copying them). Other lookups are read a chunk at a time
+    it) hands over its weights themselves, read in place: nothing writes them while a file decodes, and copying
+    them would be a large share of an ``exp-rice`` decode. Other lookups are read a chunk at a time
     (:data:`WHOLE_CHUNK`), each chunk's shape checked.
     """
     width, numel = spec.torch_dtype.itemsize, spec.numel

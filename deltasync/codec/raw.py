@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec
+from ..tensors import TensorChange, TensorSpec
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_indices, check_part, to_numpy, value_bits
 
 _I32_LIMIT = 2**31

@@ -5,8 +5,8 @@ base exponent, but zstd codes all of a tensor's gaps, and all of its steps, with
 one order-0 table. The classes differ: in a real RL step the smallest weights
 of a tensor change nine times in ten and move by tens of units in the last
 place, the largest change one time in a hundred and move by exactly one. One
-table for all of them costs about a quarter more than the entropy of each class
-on its own (``benchmarks/payload.py`` prints that floor).
+table for all of them costs well above the entropy of each class on its own
+(``benchmarks/payload.py`` prints that floor).
 
 So this codec codes every class on its own terms, with a one-byte field per
 class and plain Rice codes (no entropy coder state, a few lines to decode):
@@ -24,9 +24,9 @@ how an optimizer's first steps look; zstd can. So per tensor, each stream is
 whichever of the two codings is smaller: the Rice stream, or ``compact-exp``'s
 zstd stream (flagged by the params ``iz`` and ``vz``).
 
-On 40 SmolLM2 RL steps that is 0.73 bytes per change against ``compact-exp``'s
-0.84 (0.77 against 0.90 in steps 31-40, headers included; the streams alone are
-within 7 % of the exponent-conditioned floor there). Like ``compact-exp`` it
+On SmolLM2 RL steps that takes fewer bytes per change than ``compact-exp``, near
+the exponent-conditioned floor (``benchmarks/payload.py``, tabled in
+``benchmarks/README.md``). Like ``compact-exp`` it
 costs both sides an O(numel) pass per changed tensor and version, and the
 reader reads every base element: a codec for slow links, never the default.
 ``docs/FORMAT.md`` specifies both streams to the bit. The value digest is
@@ -40,9 +40,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..diff import TensorChange
 from ..errors import CodecError
-from ..tensors import TensorSpec
+from ..tensors import TensorChange, TensorSpec
 from ._zstd import compress, decompress
 from .base import BaseLookup, Decoded, Encoded, Params, Parts, check_part, to_numpy
 from .compact import UNSIGNED, decode_indices, encode_indices, planes, sign_values, unplanes

@@ -2,10 +2,10 @@
 
 A trainer fine-tunes SmolLM2-135M-Instruct (fp32 master weights, AdamW at an RL
 learning rate, tiny batches of chat prompts) on CPU and publishes every
-optimizer step with :class:`~deltasync.publisher.Publisher` into a store (a
+optimizer step with :class:`~deltasync.publish.publisher.Publisher` into a store (a
 temporary directory unless ``--store`` names one). Two replica processes,
 started with ``spawn``, each load the same checkpoint in bf16 and follow the
-store with :class:`~deltasync.subscriber.Subscriber`, applying every version
+store with :class:`~deltasync.replica.subscriber.Subscriber`, applying every version
 in place.
 
 For every version the demo prints one line: what changed (sparsity), what was
@@ -46,13 +46,14 @@ from typing import Any
 import torch
 
 from ..tensors import published_tensors, weights_digest
+from ..util.collector import allow_pauses
 from .board import Board, Replica, pump_events, summary
 
 __all__ = ["main", "run", "add_arguments", "weights_digest", "CommitHasher", "quiet_transformers"]
 
 DEFAULT_STEPS = 8  # as benchmarks/payload.py: enough steps for a stable median
 QUICK_STEPS = 3
-DEFAULT_LR = 3e-6  # an RL learning rate: ~99 % of bf16 elements stay bit-identical per step (benchmarks/payload.py)
+DEFAULT_LR = 3e-6  # an RL learning rate: most bf16 elements stay bit-identical per step (benchmarks/payload.py)
 BATCH_SIZE = 4  # tiny chat batches keep one CPU optimizer step at a few seconds
 REPLICAS = 2
 POLL_S = 0.05  # replicas poll fast so the lag shows the sync, not a poll interval
@@ -78,10 +79,11 @@ def quiet_transformers() -> Any:
 def _replica_main(index: int, url: str, checkpoint: str, events: Any, stop: Any) -> None:
     """One replica: bf16 SmolLM2 following the store; reports each update's weight hash."""
     from ..appliers import TorchModuleApplier
-    from ..subscriber import Subscriber, UpdateInfo
+    from ..replica.subscriber import Subscriber, UpdateInfo
 
     # Ctrl-C reaches the whole process group: the parent stops replicas through ``stop``, so they ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    allow_pauses()  # a process of the demo's own: no collector walks amid its updates
     try:
         torch.set_num_threads(1)  # two replicas and a trainer share the cores
         transformers = quiet_transformers()
@@ -134,7 +136,7 @@ class CommitHasher:
             self.events.put(("anchor", info.version, info.bytes, info.t_total))
             return
         try:
-            digest: str | None = weights_digest(self.publisher._snapshot.items())
+            digest: str | None = weights_digest(self.publisher.snapshot.items())
         except Exception:  # never fail a publish for the demo's bookkeeping; the check then says DIFF
             digest = None
         self._hashed.add(info.version)
@@ -143,8 +145,8 @@ class CommitHasher:
 
 def _train(args: argparse.Namespace, steps: int, url: str, board: Board, events: Any) -> tuple[torch.nn.Module, int | None]:
     """Load the trainer, wait for the replicas, train and publish every step; returns (model, final version)."""
-    from ..models import chat_batches, load_smollm2, train_step
-    from ..publisher import Publisher
+    from ..publish.publisher import Publisher
+    from .models import chat_batches, load_smollm2, train_step
 
     quiet_transformers()
     started = time.perf_counter()
@@ -198,9 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Run the demo; exit code 0 when every replica ended bit-identical to the trainer."""
-    from ..models import smollm2_checkpoint
+    from .models import smollm2_checkpoint
 
     out = out or sys.stdout
+    allow_pauses()  # the demo's own process: no collector walks amid a publish
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     if steps < 1:
         raise ValueError("--steps must be at least 1")
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     print(f"deltasync demo: SmolLM2-135M-Instruct, AdamW lr {args.lr:g}, {steps} steps, {REPLICAS} replicas", file=out)
     print(f"store: {url}", file=out, flush=True)
     _check_prefix(url)
-    checkpoint = str(smollm2_checkpoint())  # converted once (about 20 s) before the replicas need it
+    checkpoint = str(smollm2_checkpoint())  # converted once, before the replicas need it
     ctx = mp.get_context("spawn")
     events, stop = ctx.Queue(), ctx.Event()
     replicas = [
@@ -265,8 +268,8 @@ def _main_thread() -> bool:
 def _check_prefix(url: str) -> None:
     """Fail before loading anything when another trainer's lease holds the prefix (the publisher would refuse it)."""
     from ..errors import ConflictError, ObjectNotFound
-    from ..keys import MANIFEST_KEY
-    from ..manifest import MAX_MANIFEST_BYTES, Manifest
+    from ..protocol.keys import MANIFEST_KEY
+    from ..protocol.manifest import MAX_MANIFEST_BYTES, Manifest
     from ..stores import open_store
 
     with open_store(url) as store:

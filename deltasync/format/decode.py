@@ -22,9 +22,9 @@ from ..codec.compact import STREAM_CODECS
 from ..codec.device import DeviceReader, Streams, decode_on_device, streams_of
 from ..codec.packed import chunks, decode_chunk, work
 from ..errors import CodecError, DeltaFormatError, DeltaSyncError, IntegrityError
-from ..gc_pause import collector_paused
-from ..parallel import map_shared, mostly_python
 from ..tensors import TensorSpec
+from ..util.collector import collector_paused
+from ..util.threads import map_shared, mostly_python
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
 from .layout import packed
 
@@ -91,12 +91,16 @@ def _entries(
     data: bytes | bytearray | memoryview, layout: dict[str, Any] | None, *, streams: bool
 ) -> dict[str, torch.Tensor | np.ndarray]:
     """:func:`file_entries`; with ``streams``, a delta's byte streams (1-D ``U8`` entries) as numpy views of the
-    file, as the decoders read them: two a tensor, each a tenth of a tensor view's cost."""
+    file, as the decoders read them: two a tensor, each far cheaper to make than a tensor view."""
     view = memoryview(data).cast("B")
     layout = layout if layout is not None else raw_header(view)
     if view.readonly and packed(layout):
         view = memoryview(bytearray(view))  # a delta: a few MB, viewed entry by entry below
     elif view.readonly:
+        for name, info in layout.items():  # safetensors would load dtypes a reader refuses (U16, F8_E4M3, ...)
+            dtype = info.get("dtype") if type(info) is dict else None
+            if name != "__metadata__" and (type(dtype) is not str or dtype not in SAFETENSORS_DTYPES):
+                raise DeltaFormatError(f"entry {name!r}: dtype {dtype!r:.20} is not a name this reader accepts")
         try:
             return safetensors.torch.load(bytes(view))
         except (safetensors.SafetensorError, RuntimeError, ValueError) as exc:
@@ -109,7 +113,7 @@ def _entries(
     flat = np.frombuffer(view, dtype=np.uint8) if streams else None
     for name, (start, stop) in spans.items():
         info = layout[name]
-        if info["dtype"] == "U8" and len(info["shape"]) == 1:  # a tensor slice 2 us, a numpy one 0.15, frombuffer 5
+        if info["dtype"] == "U8" and len(info["shape"]) == 1:  # a slice of one view: cheaper than a frombuffer each
             out[name] = whole[head + start : head + stop] if flat is None else flat[head + start : head + stop]
             continue
         dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
@@ -222,7 +226,7 @@ def decode_entries(
     names = list(wanted)  # tensors decode on a few threads; the first failure in file order is raised
     results: dict[str, object]
     if on_device is not None:  # compact tensors checked here, inflated and rebuilt on the device path
-        # Checking a compact tensor's params and parts is a few dozen microseconds of Python: threads
+        # Checking a compact tensor's params and parts is a little Python, too short for threads, which
         # would only pass the GIL around. Other codecs decode here, on threads.
         light = all(wanted[n].codec in STREAM_CODECS for n in names)
         results = dict(zip(names, map_shared(prepared, names, [wanted[n].nnz for n in names],
@@ -276,14 +280,15 @@ def _blame(
     if entry_digest([parts[key] for key in sorted(parts)], entry.digest[0]) != entry.digest:
         raise IntegrityError(
             f"{name}: the delta's bytes for this tensor differ from what its publisher hashed (its header's "
-            f"{entry.digest[0]}): the object was altered after it was written. This replica's weights are not at fault and "
-            "were not touched; it keeps its version until the publisher writes an intact one",
+            f"{entry.digest[0]}): the object was altered after it was written. This replica's weights are not at "
+            "fault and were not touched; it keeps its version until the publisher writes an intact one",
             name=name,
         ) from exc
     raise IntegrityError(
-        f"{name}: the delta's bytes are intact (they match its header's {entry.digest[0]}), but decoding them against this "
-        "receiver's weights did not reproduce the publisher's values: this receiver does not hold the delta's base "
-        "version (its weights were changed outside deltasync, or it missed a version); resync from an anchor",
+        f"{name}: the delta's bytes are intact (they match its header's {entry.digest[0]}), but decoding them "
+        "against this receiver's weights did not reproduce the publisher's values: this receiver does not hold the "
+        "delta's base version (its weights were changed outside deltasync, or it missed a version); resync from "
+        "an anchor",
         name=name,
     ) from exc
 
@@ -341,7 +346,9 @@ def combine(parts: Sequence[tuple[Header, dict[str, Decoded]]], *, whole: bool) 
 
 
 def _join(patches: list[Decoded], numel: int) -> Decoded:
-    if len(patches) == 1 and (patches[0].indices is not None or (patches[0].start == 0 and len(patches[0].values) == numel)):
+    if len(patches) == 1 and (
+        patches[0].indices is not None or (patches[0].start == 0 and len(patches[0].values) == numel)
+    ):
         return patches[0]
     device = next((p.values.device for p in patches if isinstance(p.values, torch.Tensor)), None)
     if device is not None:  # some shards were rebuilt on the receiver's device: join them there

@@ -20,10 +20,9 @@ import safetensors.torch
 import torch
 
 from ..codec import DEFAULT_CODEC, get_codec
-from ..diff import ChangeSet, TensorChange
-from ..gc_pause import collector_paused
-from ..parallel import map_shared, mostly_python
-from ..tensors import TensorSpec, settle
+from ..tensors import ChangeSet, TensorChange, TensorSpec, settle
+from ..util.collector import collector_paused
+from ..util.threads import map_shared, mostly_python
 from .header import (
     SAFETENSORS_DTYPES,
     Window,
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes between tensors staged in one host buffer (:func:`on_host`)
-DEFAULT_LEVEL = 1  # zstd level: on real SmolLM2 deltas level 1 is within 0.2 % of level 3 (and 1.5 % of 9), faster
+DEFAULT_LEVEL = 1  # zstd level: higher levels barely shrink real deltas and cost more time
 # safetensors' dtype names, with the rank of its writer's layout order (entries
 # of a higher rank come first); see serialize.
 _SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
@@ -72,7 +71,7 @@ def encode_delta(
         codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors;
             densely changed tensors always use ``"dense"``.
         level (`int`, *optional*, defaults to 1): zstd level for compressing codecs.
-        workers (`int`, *optional*): encoding threads; defaults to `deltasync.parallel.WORKERS` (the CPU
+        workers (`int`, *optional*): encoding threads; defaults to `deltasync.util.threads.WORKERS` (the CPU
             count, at most 8, or `DELTASYNC_THREADS`).
         model (`Sequence[TensorSpec]`, *optional*): every tensor of the full model, when
             ``changes`` covers only one trainer rank's shard of it (see ``rows``).
@@ -80,7 +79,7 @@ def encode_delta(
             flat :class:`Elements`) of the full tensor that ``changes`` was computed on (its specs
             are the slices).
         packed (`bool`, *optional*, defaults to `True`): the packed header of format 4; `False` writes
-            format 3's plain header, which readers before format 4 read (a ``raw`` delta always has it).
+            format 3's plain header, which readers of format 3 read (a ``raw`` delta always has it).
 
     Returns:
         `bytes`: one safetensors file.
@@ -156,9 +155,9 @@ def serialize_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     written). An anchor's parts go to the store this way, skipping one copy of the
     weights.
 
-    safetensors' Python wrapper spends ~18 us per entry (ctypes pointers,
-    shared-storage checks) before the one copy into the file: 8.8 ms for a
-    SmolLM2 delta's 478 entries, against 0.7 ms here. The layout is the same:
+    safetensors' Python wrapper pays a fixed cost per entry (ctypes pointers,
+    shared-storage checks) before the one copy into the file, which adds up over
+    a delta's hundreds of entries. The layout is the same:
     header JSON padded with spaces to 8 bytes, then the entries widest dtype
     first; within a dtype, by name with numbered parts in numeric order
     (:func:`natural_key`; safetensors itself sorts by plain name, and any
@@ -206,8 +205,8 @@ def natural_key(name: str) -> tuple[Any, ...]:
 
     Entries laid out in this order keep a layer's experts, and an expert-parallel
     rank's run of experts, next to each other, so a range reader fetches them in
-    one request. Kept per name (a model's names recur in every version it publishes: splitting them
-    again cost 3 us an entry, 25 ms a delta of 4096 tensors).
+    one request. Kept per name: a model's names recur in every version it publishes, and splitting them
+    again would cost every entry of every version.
     """
     # isdecimal, not isdigit: "²" is a digit that int() cannot read, and \d does not split it out.
     return tuple(int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", name))

@@ -19,10 +19,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .. import digests
 from ..errors import DeltaFormatError, FingerprintMismatch
-from ..jsonio import load_json
 from ..tensors import TensorSpec, dtype_from_name, fingerprint
+from ..util.jsonio import load_json
+from . import digests
 from .layout import MAX_HEADER_BYTES, PACKED_VERSION, SAFETENSORS_DTYPES, InflatedTable, entry_span, tiled_spans, unpack
 
 __all__ = [
@@ -113,7 +113,7 @@ class TensorEntry:
     relative to the first); ``None``: all of it."""
     digest: tuple[str, str] | None = None
     """``(algorithm, hex)`` digest of the tensor's entry bytes, in entry-name order: lets a
-    reader that range-reads only some tensors verify them (files written before it have none)."""
+    reader that range-reads only some tensors verify them (``None`` where the file lists none)."""
 
     @property
     def local_spec(self) -> TensorSpec:
@@ -192,10 +192,9 @@ def entry_digest(parts: Sequence[torch.Tensor | np.ndarray], algorithm: str = di
 
 
 def host_bytes(tensor: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A tensor's bytes as a flat uint8 array in host memory, viewed in place where it is contiguous there
-    (0.6 us for a delta's uint8 stream, 1.2 for a weight, against 2.5-4 for the general chain of reshape,
-    copy and views; an anchor of 4096 tensors takes it three times a tensor). A decoded file's byte streams
-    are numpy views of it already."""
+    """A tensor's bytes as a flat uint8 array in host memory, viewed in place where it is contiguous there,
+    a fraction of the cost of the general chain of reshape, copy and views (an anchor of thousands of tensors
+    takes it several times a tensor). A decoded file's byte streams are numpy views of it already."""
     if isinstance(tensor, np.ndarray):
         return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
     if tensor.is_cpu and tensor.is_contiguous() and tensor.dim() and not tensor.requires_grad:
@@ -351,8 +350,8 @@ def _parse_header(meta: dict[str, Any], layout: dict[str, Any]) -> Header:
 def _spec(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[TensorSpec, int]:
     """The spec of a checked shape (JSON integers, none negative) and its element count, checked once per process
     (as :func:`~deltasync.format.encode.natural_key` keeps names): a replica reads the same few hundred or thousand
-    tensors in every version's header, and a spec's checks, construction and count cost 2-4 us each time. A bad
-    spec raises and is never kept."""
+    tensors in every version's header, and a spec's checks, construction and count would be paid each time. A
+    bad spec raises and is never kept."""
     dtype_from_name(dtype)
     spec = TensorSpec(name, shape, dtype)
     return spec, spec.numel
@@ -393,10 +392,13 @@ def _parse_entry(name: str, raw: Any) -> tuple[TensorEntry, int]:
         raise DeltaFormatError(f"{name}: nnz {nnz!r} outside [0, {carried}]")
     if not isinstance(params, dict):
         raise DeltaFormatError(f"{name}: params must be an object")
+    codec = raw["codec"]
+    if type(codec) is not str:  # a name, not something that prints like one
+        raise DeltaFormatError(f"{name}: codec must be a string, not {codec!r:.40}")
     digest = digests.read(raw, name, DeltaFormatError)
     if digest is not None and not digests.is_hex(digest[1]):
         raise DeltaFormatError(f"{name}: bad {digest[0]} {digest[1]!r}")
-    return TensorEntry(spec, str(raw["codec"]), nnz, params, rows, digest), carried
+    return TensorEntry(spec, codec, nnz, params, rows, digest), carried
 
 
 def check_compatible(header: Header, expected_fingerprint: str) -> None:

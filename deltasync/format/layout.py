@@ -2,14 +2,14 @@
 
 A format-3 delta lists every stream as a safetensors entry (``T::idx``,
 ``T::val``) and its tensor table as a JSON string in the metadata. For a
-SmolLM2-135M delta with 1 % of its elements changed that is 130 KB of a
-1.56 MB file: 62 KB of entry layout, 64 KB of table, both mostly repeated
-names and keys. Format 4 keeps the data area byte for byte and folds each
+sparse delta that header is a sizeable share of the file, entry layout and
+table alike, both mostly repeated names and keys (docs/FORMAT.md, "Packed
+header", gives the sizes). Format 4 keeps the data area byte for byte and folds each
 stream's layout into its tensor's table entry (under ``parts``), compresses
 the table with zstd and stores it base64-encoded under ``tensors_zstd``; the
 safetensors layout keeps one ``U8`` entry, ``streams``, over the whole data
-area, so the file is still a valid safetensors file. The header shrinks about
-5x (130 KB to 27 KB; half of what is left is digests, which do not compress).
+area, so the file is still a valid safetensors file. The header shrinks
+several-fold; most of what is left is digests, which do not compress.
 
 :func:`pack` writes that header; :func:`unpack` turns it back into the header
 format 3 would have written (its ``format_version`` aside), so every reader
@@ -28,7 +28,7 @@ import torch
 import zstandard
 
 from ..errors import DeltaFormatError
-from ..jsonio import load_json
+from ..util.jsonio import load_json
 
 __all__ = [
     "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "PACKED_VERSION", "STREAMS", "TABLE",
@@ -58,7 +58,7 @@ STREAMS = "streams"
 """The one safetensors entry of a packed file: its whole data area, as bytes."""
 TABLE = "tensors_zstd"
 """The metadata key of a packed file's tensor table: base64 of one zstd frame of its JSON."""
-_LEVEL = 1  # 0.3 ms for a SmolLM2 table (103 KB to 20 KB); level 15 saves 8 % more for 28 ms
+_LEVEL = 1  # the table's zstd level: higher levels shrink it a little more for far more time
 
 
 def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[int, int]:
@@ -75,7 +75,7 @@ def entry_span(info: object, body: int, entry: str, key: str = "file") -> tuple[
         shape = info["shape"]  # type: ignore[index]
         # JSON integers (not bools: type, not isinstance), not negative; the shape a list ("{}" or "" would
         # unpack to no dimensions at all). Spelled out for the one dimension of a delta's streams: a
-        # generator over them was half of a 4096-tensor delta's layout check.
+        # generator over them would dominate the layout check of a delta of thousands of tensors.
         ok = type(shape) is list and type(start) is int and type(stop) is int and start >= 0 and stop >= 0 and (
             type(shape[0]) is int and shape[0] >= 0 if len(shape) == 1
             else all(type(v) is int and v >= 0 for v in shape)
@@ -136,8 +136,7 @@ def pack(metadata: dict[str, str], layout: dict[str, dict[str, Any]]) -> dict[st
 
 class InflatedTable(str):
     """A packed file's table as :func:`unpack` inflated it (the text format 3 keeps under ``tensors``), with
-    ``table``, what that text parses to: a header reader takes it instead of parsing the text again (0.8 ms
-    of a SmolLM2 delta's 229 entries)."""
+    ``table``, what that text parses to: a header reader takes it instead of parsing the text again."""
 
     table: dict[str, Any]
 

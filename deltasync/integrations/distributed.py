@@ -2,7 +2,7 @@
 
 The TRL callback publishes a model differently by how its parameters are laid
 out across ranks: FSDP2 and DeepSpeed ZeRO-3 shards are published where they
-lie (:class:`~deltasync.sharded.ShardedPublisher`); FSDP1, and a PEFT model
+lie (:class:`~deltasync.publish.sharded.ShardedPublisher`); FSDP1, and a PEFT model
 under ZeRO-3 (whose merged weights need whole LoRA factors and base rows), are
 gathered per version (:class:`Gathered`) and published by the main process;
 anything else is published whole by the main process.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ..sharded import is_zero3
+from ..publish.sharded import is_zero3
 
 __all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "full_weights", "sharding_of", "unwrapped_names",
            "zero3_gathered"]
@@ -66,7 +66,7 @@ def fsdp1_gathered(model: Any) -> Gathered:
 def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gathered:
     """DeepSpeed ZeRO-3 with a PEFT model: every rank gathers every parameter (ZeRO-3 has no gather to one
     rank; TRL's own vLLM sync of such a model gathers the same), and the main process publishes ``weights()``
-    (the merged weights or the adapter, :func:`deltasync.lora.publishable`) inside."""
+    (the merged weights or the adapter, :func:`deltasync.publish.lora.publishable`) inside."""
 
     def gather() -> contextlib.AbstractContextManager[Any]:
         import deepspeed

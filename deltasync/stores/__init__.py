@@ -16,11 +16,9 @@ names no backend (``gs://x``, ``s3:/bucket``, ``file://run1``, ``""``) raises
 is read. A path with a colon after its first segment (``./a:b``, ``runs/t=10:00``)
 is a path.
 
-Any of them can be read through a cache shared by the processes of a node:
-``open_store(url, cache_dir="/dev/shm/deltasync")`` wraps the store in
-``deltasync.cache.CachedStore`` (see there; ``cache_max_bytes`` sets its cap). The cache reads
-manifests, a layer above the stores, so it is named here by a ``"module:Class"`` string
-(:data:`CACHE_TARGET`) and imported on first use.
+Any of them can be read through a cache shared by the processes of a node: that cache reads
+manifests, so it lives with the replica (``deltasync.replica.cache``: ``Subscriber(url, applier,
+cache_dir=...)``, or ``CachedStore(open_store(url), cache_dir)``), not here.
 """
 
 from __future__ import annotations
@@ -35,7 +33,9 @@ from .base import URL_FORMS, ObjectInfo, Store, check_key
 from .local import LocalStore
 from .memory import MemoryStore
 
-__all__ = ["Store", "ObjectInfo", "LocalStore", "MemoryStore", "open_store", "register_store", "check_key"]
+__all__ = [
+    "Store", "ObjectInfo", "LocalStore", "MemoryStore", "open_store", "register_store", "store_schemes", "check_key",
+]
 
 _BACKENDS: dict[str, str] = {
     "file": "deltasync.stores.local:LocalStore",
@@ -44,8 +44,7 @@ _BACKENDS: dict[str, str] = {
     "hf": "deltasync.stores.hf:HFBucketStore",
 }
 
-CACHE_TARGET = "deltasync.cache:CachedStore"
-"""The store class ``open_store(..., cache_dir=...)`` wraps a store in (``"module:Class"``)."""
+_CACHE_OPTIONS = ("cache_dir", "cache_max_bytes")
 
 # RFC 3986 scheme syntax: a letter, then letters, digits, "+", "-" or ".", then ":".
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -62,32 +61,31 @@ def register_store(scheme: str, target: str) -> None:
     _BACKENDS[scheme] = target
 
 
+def store_schemes() -> list[str]:
+    """The URL schemes of the registered backends (``"file"`` is the local filesystem), sorted."""
+    return sorted(_BACKENDS)
+
+
 def open_store(url: str | os.PathLike[str] | Store, **options: Any) -> Store:
     """Open the store a URL names (a :class:`Store` passes through).
 
     Args:
         url (`str`, `os.PathLike` or `Store`): a path, ``file:///abs/path`` (also ``file:rel/path``),
             ``memory://name``, ``s3://bucket/prefix`` or ``hf://buckets/namespace/name/prefix``.
-        cache_dir (`str`, *optional*): read the manifest's objects through a cache in this directory,
-            shared by the processes that name it (:class:`~deltasync.cache.CachedStore`).
-        cache_max_bytes (`int`, *optional*): the cache's size cap (the cache's own default when unset).
         **options: backend options (credentials, endpoint, ...), see each backend.
 
     Raises:
         `ConfigError`: the URL names no backend (empty, not a string, an unknown scheme, a malformed
-            URL; the message lists the accepted forms), or cache options without ``cache_dir``.
+            URL; the message lists the accepted forms), or a cache option (a replica's, not a store's).
     """
-    cache_dir = options.pop("cache_dir", None)
-    cache_max_bytes = options.pop("cache_max_bytes", None)
-    if cache_max_bytes is not None and cache_dir is None:
-        raise ConfigError("cache_max_bytes needs cache_dir (the directory to cache in)", argument="cache_max_bytes")
-    if cache_dir is not None:
-        cached: Any = _load(CACHE_TARGET)
-        inner = open_store(url, **options)
-        if isinstance(inner, cached):
-            return inner
-        cap = {"max_bytes": cache_max_bytes} if cache_max_bytes else {}  # unset (or 0): the cache's default
-        return cached(inner, cache_dir, **cap)  # type: ignore[no-any-return]
+    for name in _CACHE_OPTIONS:
+        if name in options:
+            raise ConfigError(
+                f"open_store takes no {name}: a shared cache is a replica's (it reads manifests); pass it to "
+                "Subscriber(url, applier, cache_dir=...), or wrap the store: "
+                "deltasync.replica.cache.CachedStore(open_store(url), cache_dir)",
+                argument=name,
+            )
     if isinstance(url, Store):
         return url
     if isinstance(url, os.PathLike):

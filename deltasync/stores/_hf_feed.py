@@ -32,7 +32,7 @@ from .base import ChangeFeed, check_key
 
 __all__ = ["BucketFeed", "FeedEvent", "live_follow_reader"]
 
-# The store's logger: feed messages read as the store's, as they did before the feed had its own module.
+# The store's logger: feed messages read as the store's.
 logger = logging.getLogger("deltasync.stores.hf")
 
 # Change feed pacing, after huggingface_hub's own follower (_bucket_live_follow, 2.4): the Hub pings

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from ..errors import DeltaSyncError, IntegrityError, StoreError
-from ..keys import check_key
+from ..errors import DeltaSyncError, IntegrityError, ManifestError, StoreError
 
 __all__ = [
     "ObjectInfo", "Store", "ChangeFeed", "HostCheck", "PutMode", "check_key", "check_limit", "check_prefix", "check_size",
@@ -38,6 +38,26 @@ URL_FORMS = (
     "a path, 'file:///abs/path', 'memory://name', 's3://bucket/prefix' or 'hf://buckets/namespace/name/prefix'"
 )
 """The store URLs :func:`~deltasync.stores.open_store` accepts, for error messages."""
+
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+def check_key(key: str) -> str:
+    """Validate a key: relative, ``/``-separated, no ``..``, ``.`` or empty segments.
+
+    Raises:
+        `ManifestError`: the key is unsafe (path traversal, absolute, URL, odd characters).
+    """
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise ManifestError(f"invalid object key {key!r}", key=key)
+    for segment in key.split("/"):
+        if segment in ("", ".", "..") or not _SEGMENT.fullmatch(segment):
+            raise ManifestError(
+                f"unsafe object key {key!r}: keys are relative paths of [A-Za-z0-9._=+@,-] segments",
+                key=key,
+            )
+    return key
 
 
 @dataclass(frozen=True, slots=True)

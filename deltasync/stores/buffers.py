@@ -3,11 +3,9 @@
 A buffer the size of an anchor's part is new memory, and on many machines a read into
 new memory costs more in page faults than in copying: the kernel traps once per 4 KiB
 page it hands out. :func:`fresh_buffer` asks for large buffers in 2 MiB pages instead
-(transparent huge pages, ``MADV_HUGEPAGE``), so a read faults once per 2 MiB. On a
-2-core AMD EPYC VM, reading four 64 MiB parts from tmpfs on four threads took
-56-86 ms that way against 131-149 ms into ordinary memory (``benchmarks/device_sync.py``
-measures it as "anchor load, copied": the path of network filesystems and of a
-replica's read-through cache).
+(transparent huge pages, ``MADV_HUGEPAGE``), so a read faults once per 2 MiB and
+runs markedly faster (``benchmarks/device_sync.py`` measures the path as "anchor
+load, copied": the path of network filesystems and of a replica's read-through cache).
 
 The kernel honours the advice under transparent huge pages' ``madvise`` and ``always``
 modes (``/sys/kernel/mm/transparent_hugepage/enabled``); under ``never``, or where

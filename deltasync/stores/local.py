@@ -23,7 +23,7 @@ Large reads: :meth:`LocalStore.get_buffer` maps an object of :data:`MAP_BYTES` o
 more (a private mapping, so a decoder writing into it never writes the file)
 where the root is on a local filesystem, instead of copying it into fresh memory:
 an anchor's parts are hashed and written into the replica straight from the page
-cache, twice as fast. Network and unknown filesystems are read by copying, into
+cache, faster than from a copy. Network and unknown filesystems are read by copying, into
 memory in huge pages (:mod:`deltasync.stores.buffers`); :mod:`deltasync.stores.mounts` says why.
 
 Full disks: a write that fails (``ENOSPC`` from ``write`` or ``fsync``) removes its

@@ -3,8 +3,8 @@
 A large object of a :class:`~deltasync.stores.local.LocalStore` is read by mapping
 the file (``mmap``) instead of copying it into fresh memory: the hash and the
 replica's write then read the kernel's page cache directly, with no page of new
-memory faulted in, about twice as fast (``benchmarks/device_sync.py``, anchor
-load). That is safe only where the file under the mapping cannot change or
+memory faulted in, which is faster (``benchmarks/device_sync.py``, the anchor
+load rows). That is safe only where the file under the mapping cannot change or
 vanish while it is mapped:
 
 - deltasync never changes a file once it is in place: objects are written to a
@@ -20,7 +20,7 @@ A tool that rewrites an object's file in place on a local filesystem could
 still end a reader with ``SIGBUS`` (truncating it), or change bytes between their
 check and their copy into the replica; nothing of deltasync does, and nothing
 else should write into a live store. The node cache
-(:class:`~deltasync.cache.CachedStore`), which checks its shared files against
+(:class:`~deltasync.replica.cache.CachedStore`), which checks its shared files against
 damage done in place, never maps them.
 """
 

@@ -1,0 +1,29 @@
+"""transformers / TRL: the trainer callback, and the GRPO trainer whose server-mode sync goes through a store.
+
+- :mod:`.callback`: :class:`DeltaSyncCallback`, a ``TrainerCallback`` that publishes every step (any TRL).
+- :mod:`.grpo_server`: :class:`DeltaSyncGRPOTrainer`, every TRL internal deltasync touches, version-pinned.
+
+Both are imported on first use, so importing this package needs neither transformers nor TRL.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .callback import DeltaSyncCallback, ReplicaTimeout
+    from .grpo_server import DeltaSyncGRPOTrainer
+
+__all__ = ["DeltaSyncCallback", "DeltaSyncGRPOTrainer", "ReplicaTimeout"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DeltaSyncCallback", "ReplicaTimeout"):
+        from . import callback
+
+        return getattr(callback, name)
+    if name == "DeltaSyncGRPOTrainer":
+        from .grpo_server import DeltaSyncGRPOTrainer
+
+        return DeltaSyncGRPOTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,75 @@
+"""The applier protocol: what a replica's weights must offer a :class:`~deltasync.replica.subscriber.Subscriber`.
+
+A subscriber validates each file against the applier (:meth:`Applier.validate`), decodes it against the
+bits the applier holds now (:meth:`Applier.lookup`), and hands it the validated patches
+(:meth:`Applier.apply`). Two optional capabilities have default answers here, so a subscriber asks
+instead of probing: an applier may decode whole files where its weights live (:meth:`Applier.takes_files`,
+:meth:`Applier.apply_files`: a vLLM engine of one rank), and may ask for ``compact`` patches rebuilt on
+its weights' accelerator (:attr:`Applier.on_device`).
+
+The appliers deltasync ships (:class:`~deltasync.appliers.TorchModuleApplier`,
+:class:`~deltasync.appliers.CheckpointDirApplier`, :class:`~deltasync.appliers.VLLMFollower`) subclass it;
+so does any applier of your own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..codec import Decoded
+from ..codec.device import DeviceReader
+from ..errors import DeltaSyncError
+from ..format import Header
+from ..tensors import TensorSpec
+
+__all__ = ["Applier"]
+
+
+class Applier(ABC):
+    """Where a subscriber writes: validates files against, reads from and patches the weights.
+
+    Subclasses set :attr:`fingerprint` and :attr:`specs` and implement :meth:`validate`, :meth:`lookup`
+    and :meth:`apply`.
+    """
+
+    fingerprint: str
+    """The fingerprint of the published tensors these weights hold (:func:`~deltasync.tensors.fingerprint`)."""
+    specs: dict[str, TensorSpec]
+    """Every tensor held, by checkpoint name."""
+
+    @abstractmethod
+    def validate(self, header: Header) -> None:
+        """Refuse a file that does not fit these weights (another model, an unknown tensor), before any decode."""
+
+    @abstractmethod
+    def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
+        """Current bit patterns of ``name`` at flat ``indices``; called from several decoding threads at once."""
+
+    @abstractmethod
+    def apply(self, decoded: Mapping[str, Decoded]) -> None:
+        """Write a version's validated patches; every check has passed before this is called."""
+
+    def takes_files(self, kind: str) -> bool:
+        """Whether this applier takes a version of ``kind`` (``"delta"`` or ``"anchor"``) as whole files, to
+        decode where its weights live (:meth:`apply_files`); ``False`` here: the subscriber decodes."""
+        return False
+
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
+        """Decode a version's files where the weights live, check everything, then write.
+
+        Returns:
+            The error that refused the files before anything was written, or ``None`` once applied.
+
+        Raises:
+            An error of a write that failed (the weights may then be partly written).
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no whole files (takes_files is False)")
+
+    @property
+    def on_device(self) -> DeviceReader | None:
+        """A reader of these weights on their accelerator, for the decoder to rebuild ``compact`` patches
+        there (:mod:`deltasync.codec.device`); ``None`` here: patches are decoded on the host."""
+        return None
