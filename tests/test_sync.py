@@ -560,3 +560,76 @@ def test_a_trainer_stepping_on_its_own_cuda_stream_publishes_exactly() -> None:
             for (name, a), b in zip(trainer.named_parameters(), rep.parameters()):
                 assert torch.equal(a.detach().to(torch.bfloat16).cpu().view(torch.int16), b.detach().view(torch.int16)), name
 
+
+
+class TestStreams:
+    """A version given as a stream of ``(name, tensor)`` pairs, as a gathering trainer hands its weights over."""
+
+    @staticmethod
+    def stream(m: torch.nn.Module, held: list[Any] | None = None) -> Any:
+        """Fresh fp32 copies of ``m``'s weights, one at a time (as a gather makes them); ``held`` records each."""
+        import weakref
+
+        for name, p in m.named_parameters():
+            tensor = p.detach().clone()
+            if held is not None:
+                held.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    def test_a_stream_publishes_what_the_model_would(self, tmp_path) -> None:
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        rep, applier = replica()
+        with Publisher(None, str(tmp_path)) as pub, Subscriber(str(tmp_path), applier, ack=False) as sub:
+            for step in range(4):
+                if step:
+                    train(trainer, opt)
+                assert pub.publish(step, tensors=self.stream(trainer))
+                pub.flush()
+                sub.update()
+                assert sub.version == pub.version == step
+                assert_exact(trainer, rep)
+            assert pub.publish(4, tensors=self.stream(trainer)) is False  # nothing changed: no version
+
+    def test_each_tensor_is_let_go_before_the_next_arrives(self, tmp_path) -> None:
+        """Memory stays the snapshot plus the tensor in hand: no tensor of the stream outlives the next one's
+        arrival, whether it is captured (the first version) or diffed (the others)."""
+        import gc
+
+        trainer = model()
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        with Publisher(None, str(tmp_path)) as pub:
+            for step in range(3):
+                if step:
+                    train(trainer, opt)
+                held: list[Any] = []
+
+                def watched(source: Any = self.stream(trainer, held)) -> Any:
+                    for k, item in enumerate(source):
+                        gc.collect()
+                        alive = [i for i, ref in enumerate(held[:-1]) if ref() is not None]
+                        assert not alive, f"tensors {alive} still held when tensor {k} arrives"
+                        yield item
+
+                pub.publish(step, tensors=watched())
+                pub.flush()
+                assert pub.version == step
+
+    def test_a_stream_that_differs_from_the_model_is_refused(self, tmp_path) -> None:
+        from deltasync.errors import ConfigError, TensorMismatch
+
+        trainer = model()
+        with Publisher(None, str(tmp_path)) as pub:
+            with pytest.raises(ConfigError, match=r"publish\(tensors=\.\.\.\)"):
+                pub.publish(0)
+            pub.publish(0, tensors=self.stream(trainer))
+            pub.flush()
+            items = list(self.stream(trainer))
+            with pytest.raises(TensorMismatch, match="left out"):
+                pub.publish(1, tensors=items[:-1])
+            with pytest.raises(TensorMismatch, match="twice"):
+                pub.publish(1, tensors=[*items, items[0]])
+            with pytest.raises(TensorMismatch, match="not in the published model"):
+                pub.publish(1, tensors=[*items, ("extra.weight", torch.zeros(2))])
+            assert pub.version == 0

@@ -345,3 +345,36 @@ def __getattr__(name: str) -> Any:
 
 
 BENCH_EXTENSION = "tests.vllm_helpers.DeltaSyncBenchExtension"
+
+
+def backend_compared(worker: Any, directory: str) -> tuple[dict[str, dict[str, int]], Any]:
+    """In a worker whose engine runs the ``deltasync`` backend: how the elements this rank holds compare with the
+    safetensors checkpoint in ``directory`` (``compare_held``), read back through the backend's own index map.
+
+    Run through ``collective_rpc`` (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    from deltasync.appliers.checkpoint.files import checkpoint_reader
+    from deltasync.appliers.verify import compare_held, pack_held
+
+    index = worker.weight_transfer_engine.replica.index
+    with checkpoint_reader(directory) as loaded, torch.no_grad():
+        counts, masks = compare_held(index, loaded)
+    return counts, pack_held(masks, text=False)
+
+
+def assert_backend_exact(llm: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Every rank of a backend engine holds ``weights`` bit for bit, and every element is held by some rank."""
+    import tempfile
+
+    import safetensors.torch
+
+    from deltasync.appliers.verify import merge_compared
+    from deltasync.tensors import TensorSpec
+
+    with tempfile.TemporaryDirectory(prefix="expected-") as directory:
+        safetensors.torch.save_file({n: t.detach().contiguous().clone() for n, t in weights.items()},
+                                    str(Path(directory) / "model.safetensors"))
+        answers = llm.collective_rpc(backend_compared, args=(directory,))
+    found = merge_compared({n: TensorSpec.of(n, t) for n, t in weights.items()}, answers)
+    assert set(found) == set(weights), sorted(set(weights) ^ set(found))[:5]
+    wrong = {n: c for n, c in found.items() if c["wrong"] or c["missing"]}
+    assert not wrong, f"{len(wrong)} tensors differ or are not held: {dict(list(wrong.items())[:5])}"

@@ -4,7 +4,7 @@
     deltasync status URL [--json] [--versions N]       run, writer, versions, anchors, sizes, replica lag
     deltasync gc URL [--dry-run] [--grace SECONDS]     delete retired objects and orphans of crashed publishes
     deltasync watch URL --model DIR [--once]           keep a safetensors checkpoint directory at the latest version
-    deltasync follow --store URL --server URL --model DIR   keep a vLLM server at the latest version
+    deltasync follow --store URL --server URL [--model DIR]   keep a vLLM server at the latest version
     deltasync demo                                      the main job: train, publish, follow, end to end
 
 ``FILE`` is a local path, or a store URL plus a key (``s3://bucket/run1/deltas/000007.safetensors``

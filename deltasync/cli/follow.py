@@ -1,9 +1,17 @@
-"""``deltasync follow --store URL --server URL --model DIR``: keep a vLLM server at a run's latest version.
+"""``deltasync follow --store URL --server URL``: keep a vLLM server at a run's latest version.
 
-The server runs with deltasync's worker extension and ``VLLM_SERVER_DEV_MODE=1`` (docs/VLLM.md); this
-process is its :class:`~deltasync.appliers.vllm.VLLMFollower`: it waits for the server to come up, then
-polls the store and applies every new version until Ctrl-C or SIGTERM (an update in progress finishes
-first). ``--once`` applies the latest version and exits.
+Two kinds of server (docs/VLLM.md):
+
+- launched with the ``deltasync`` weight-transfer backend (``--weight-transfer-config '{"backend":
+  "deltasync"}'``, ``VLLM_SERVER_DEV_MODE=1``): this process tells it which store to follow and drives
+  vLLM's round trip for each new version (:class:`~deltasync.appliers.vllm.server_follower.ServerFollower`);
+  the server's ranks fetch and apply the versions themselves;
+- launched with deltasync's worker extension instead (``--model DIR`` names the checkpoint it loaded): this
+  process downloads and checks each version and hands it to the workers through ``/collective_rpc``
+  (:class:`~deltasync.appliers.vllm.VLLMFollower`); also the way to serve a LoRA run's adapter (``--lora``).
+
+Either waits for the server to come up, then follows the store until Ctrl-C or SIGTERM (an update in
+progress finishes first). ``--once`` applies the latest version and exits.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ def add_parser(sub: Any) -> None:
     follow = sub.add_parser("follow", help="keep a vLLM server at the latest version of a run")
     follow.add_argument("--store", required=True, help="run prefix the trainer publishes to (path, s3://, hf://)")
     follow.add_argument("--server", required=True, help="vLLM server base URL, e.g. http://127.0.0.1:8000")
-    follow.add_argument("--model", required=True, help="checkpoint directory the server loaded")
+    follow.add_argument("--model", default=None, help="a server with the worker extension: the checkpoint directory it "
+                        "loaded (without it, the server runs the deltasync weight-transfer backend)")
     follow.add_argument("--mode", choices=["inflight", "pause"], default="inflight")
     follow.add_argument("--pause-mode", choices=["wait", "abort"], default="wait")
     follow.add_argument("--replica-id", default=None)
@@ -44,13 +53,45 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Wait for the server, then follow the store until stopped (or once)."""
+    from ..appliers.vllm.rpc import ServerEngine
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.model is None and args.lora is not None:
+        raise ConfigError("--lora serves an adapter through the worker extension: give --model, the checkpoint "
+                          "directory the server loaded", argument="lora")
+    if args.model is not None:
+        return _follow_with_the_extension(args)
+    ServerEngine(args.server).wait_until_up(args.wait_for_server, log=logger.info)
+    return _follow_with_the_backend(args)
+
+
+def _follow_with_the_backend(args: argparse.Namespace) -> int:
+    from ..appliers.vllm.server_follower import ServerFollower
+    from ..util.signals import run_until_signal
+
+    init_info = {k: v for k, v in (("cache_dir", args.cache_dir), ("replica_id", args.replica_id)) if v is not None}
+    follower = ServerFollower(
+        args.server, args.store, mode=args.mode, pause_mode=args.pause_mode, init_info=init_info,
+        poll_interval=args.poll_interval, max_poll_interval=args.max_poll_interval,
+    )
+    try:
+        if args.once:
+            follower.update()
+        else:
+            follower.initialise()
+            run_until_signal(follower.run, threading.Event())
+    finally:
+        follower.close()
+    return 0
+
+
+def _follow_with_the_extension(args: argparse.Namespace) -> int:
     from ..appliers.checkpoint.files import checkpoint_specs
     from ..appliers.vllm.follower import VLLMFollower
     from ..appliers.vllm.rpc import ServerEngine
     from ..util.signals import run_until_signal
 
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         checkpoint_specs(args.model)  # before waiting for the server: a wrong --model is known now
     except FileNotFoundError:

@@ -411,21 +411,26 @@ class Plan:
         return sum(s.nbytes for s in self.steps)
 
 
-def plan_route(manifest: Manifest, current: int | None, *, avoid: Iterable[str] = ()) -> Plan | None:
-    """Cheapest route (fewest bytes) from ``current`` to the latest version.
+def plan_route(
+    manifest: Manifest, current: int | None, *, avoid: Iterable[str] = (), target: int | None = None
+) -> Plan | None:
+    """Cheapest route (fewest bytes) from ``current`` to ``target`` (the latest version by default).
 
     Candidates are the delta chain from ``current`` and, for each anchor at or
-    after it, that anchor plus the deltas after it. Objects in ``avoid`` (keys
-    that failed verification) are never used.
+    after it and at or before the target, that anchor plus the deltas after it up
+    to the target. Objects in ``avoid`` (keys that failed verification) are never used.
 
     Returns:
-        `Plan`, or ``None`` when the latest version is unreachable (no usable anchor).
+        `Plan`, or ``None`` when the target is unreachable: no usable anchor, a target the manifest does
+        not list, or one behind ``current`` (going back is not a route).
     """
-    latest = manifest.latest
-    if latest is None:
+    latest = manifest.latest if target is None else target
+    if latest is None or manifest.latest is None or manifest.entry(latest) is None:
         return None
     if current == latest:
         return Plan(current, latest)
+    if target is not None and current is not None and current > target:
+        return None
     bad = set(avoid)
     by_version = {v.version: v for v in manifest.versions}
     usable = lambda refs: bool(refs) and not any(o.key in bad for o in refs)  # noqa: E731
@@ -445,6 +450,8 @@ def plan_route(manifest: Manifest, current: int | None, *, avoid: Iterable[str] 
         if hops is not None:
             candidates.append(hops)
     for entry in manifest.anchors():
+        if entry.version > latest:
+            break  # anchors come in version order: the rest lie past the target
         if current is not None and current <= latest and entry.version <= current:
             continue  # never go back to an anchor older than the weights we hold
         if usable(entry.anchor):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from ..protocol.commit import ORPHAN_GRACE_S as ORPHAN_GRACE_S  # re-exported; d
 from ..protocol.commit import sweep_orphans as sweep_orphans  # re-exported; defined with the commit rules
 from ..stores import Store
 from ..tensors import ChangeSet, TensorSpec, published_dtype, published_tensors
-from .diff import Snapshot, diff
+from .diff import Snapshot, diff, diff_stream
 from .engine import OPEN_WAIT_S, Background, PublisherStats, PublishInfo, VersionWriter, close_publisher
 from .forms import Forms, smallest
 from .options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, RETIRE_GRACE_S, PublishOptions
@@ -69,6 +69,12 @@ class PublisherView:
         """The newest committed version, or ``None`` before the first commit."""
         manifest = self.writer_engine.manifest
         return manifest.latest if manifest else None
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id of the prefix this publisher writes (``None`` before it took the prefix)."""
+        manifest = self.writer_engine.manifest
+        return manifest.run_id if manifest else None
 
     @property
     def writer(self) -> str:
@@ -114,7 +120,8 @@ class Publisher(PublisherView):
     """Publishes a model's weights into a store as exact sparse versions.
 
     Args:
-        model (`nn.Module` or `Mapping[str, Tensor]`): the trainer's weights (any device, fp32 or bf16).
+        model (`nn.Module`, `Mapping[str, Tensor]` or `None`): the trainer's weights (any device, fp32 or bf16);
+            ``None`` when every version arrives as a stream of tensors (``publish(tensors=...)``).
         store (`str` or `Store`): where to publish, e.g. ``"./run1"`` or ``"s3://bucket/run1"``.
         codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors.
         level (`int`, *optional*): zstd level.
@@ -143,7 +150,7 @@ class Publisher(PublisherView):
 
     def __init__(
         self,
-        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
         store: str | Store,
         *,
         codec: str = DEFAULT_CODEC,
@@ -166,7 +173,7 @@ class Publisher(PublisherView):
             keep_anchors=keep_anchors, part_bytes=part_bytes, lease_s=lease_s, retire_grace_s=retire_grace_s,
             takeover=takeover, chunk=chunk, format_version=format_version, on_publish=on_publish,
         )
-        if not isinstance(model, (torch.nn.Module, Mapping)):
+        if model is not None and not isinstance(model, (torch.nn.Module, Mapping)):
             raise ConfigError(
                 f"model must be an nn.Module or a mapping of name -> tensor, not {type(model).__name__}",
                 argument="model",
@@ -175,20 +182,34 @@ class Publisher(PublisherView):
         self.dtype, self.chunk = dtype, chunk
         # What the model is, read now: the worker opens the prefix later, when the caller's tensors
         # may be sharded again (FSDP1 gathers them only around each publish).
-        specs = tuple(TensorSpec.of(n, t, published_dtype(model, n, t, dtype)) for n, t in published_tensors(model))
+        specs = () if model is None else tuple(
+            TensorSpec.of(n, t, published_dtype(model, n, t, dtype)) for n, t in published_tensors(model)
+        )
         self.writer_engine = VersionWriter.create(store, specs, options, **store_options)
         self.background = Background(self.writer_engine.stats)
         self._opened = threading.Event()  # set by the worker once the first open has finished
 
     # ------------------------------------------------------------------ public API
 
-    def publish(self, step: int | None = None, *, block: bool = False) -> bool:
+    def publish(
+        self, step: int | None = None, *, block: bool = False,
+        tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> bool:
         """Publish the current weights as the next version.
 
         Diffs on the calling thread and returns; encoding and upload run in the
         background. If the previous publish is still uploading, this one is
         coalesced into the next (returns ``False``) unless ``block=True``, which
         waits for it first.
+
+        Args:
+            step (`int`, *optional*): the trainer's step, recorded with the version.
+            block (`bool`, *optional*): wait for the previous upload instead of coalescing.
+            tensors (`Iterable[tuple[str, Tensor]]`, *optional*): this version's weights as a stream of
+                ``(name, tensor)`` pairs (a trainer that gathers one tensor at a time), instead of the model's:
+                each is diffed as it arrives and let go, so memory stays the published snapshot plus the tensor in
+                hand. A stream is always consumed whole, and waits for the previous upload (it cannot be coalesced:
+                it would not be there to publish later).
 
         Returns:
             `bool`: whether a version was started.
@@ -205,8 +226,11 @@ class Publisher(PublisherView):
         background, writer = self.background, self.writer_engine
         if background.fatal is not None:
             raise background.fatal
+        if tensors is None and self.model is None:
+            raise ConfigError("this publisher has no model: pass each version as publish(tensors=...)",
+                              argument="tensors")
         if background.busy:
-            if not block:
+            if not block and tensors is None:
                 background.coalesce(step)
                 return False
             background.wait()
@@ -215,9 +239,13 @@ class Publisher(PublisherView):
             writer.snapshot, writer.commits.resync = None, False
         first = writer.snapshot is None
         if first:
+            if tensors is not None:
+                snapshot = Snapshot.capture_stream(tensors, dtype=self.dtype)
+                writer.specs = snapshot.specs
             if writer.manifest is None:
                 self._refuse_early()
-            snapshot = Snapshot.capture(self.model, dtype=self.dtype)
+            if tensors is None:
+                snapshot = Snapshot.capture(self.model, dtype=self.dtype)
             t_diff = time.perf_counter() - started
             background.submit(lambda coalesced: self._first_anchor(snapshot, step, started, t_diff))
             # Ownership and model errors surface here in the common case; a slow store costs at most this.
@@ -225,7 +253,7 @@ class Publisher(PublisherView):
             if background.fatal is not None:
                 raise background.fatal
             return True
-        form, changes = self._diff()
+        form, changes = self._diff() if tensors is None else (None, self._diff_stream(tensors))
         t_diff = time.perf_counter() - started
         if changes.nnz == 0:
             background.dirty = False
@@ -266,6 +294,11 @@ class Publisher(PublisherView):
         # A source with several forms is captured as its first one (its mapping view).
         form = next(iter(self.model.forms()), None) if isinstance(self.model, Forms) else None
         self.writer_engine.commit_first_anchor(snapshot, step, started, t_diff, form)
+
+    def _diff_stream(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> ChangeSet:
+        snapshot = self.writer_engine.snapshot
+        assert snapshot is not None
+        return diff_stream(snapshot, tensors, chunk=self.chunk)
 
     def _diff(self) -> tuple[str | None, ChangeSet]:
         """The changes since the last version; of the smallest form when the model has several."""

@@ -312,20 +312,35 @@ class Subscriber:
             logger.exception("replica %s failed to update from v%s", self.replica_id, self._version)
             return None
 
-    def update(self) -> UpdateInfo | None:
-        """Like :meth:`poll` but raises typed errors instead of counting them."""
+    def update(self, version: int | None = None) -> UpdateInfo | None:
+        """Like :meth:`poll` but raises typed errors instead of counting them.
+
+        Args:
+            version (`int`, *optional*): go to exactly this version instead of the newest: one the manifest
+                lists, not behind the version held.
+
+        Raises:
+            `VersionError`: no usable route, or ``version`` is not published (yet), no longer listed, or
+                behind the version held.
+        """
         with self._apply_lock:
             manifest = self._read_manifest()
             if manifest is None or manifest.latest is None:
+                if version is not None:
+                    raise VersionError(f"nothing is published at {self.store.url} yet: version {version} is not "
+                                       "there", current=self._version, latest=None)
                 self._note_waiting(manifest is None)
                 return None
+            target = manifest.latest if version is None else version
             current = self._held(manifest)
-            if current == manifest.latest:
+            if current == target:
                 return None
-            plan = plan_route(manifest, current, avoid=self._fetcher.avoided(manifest))
+            if version is not None:
+                self._check_target(manifest, version, current)
+            plan = plan_route(manifest, current, avoid=self._fetcher.avoided(manifest), target=target)
             if plan is None:
                 raise VersionError(
-                    f"no usable route from version {current} to {manifest.latest} in {self.store.url}",
+                    f"no usable route from version {current} to {target} in {self.store.url}",
                     current=current,
                     latest=manifest.latest,
                 )
@@ -338,6 +353,19 @@ class Subscriber:
         return info
 
     # ------------------------------------------------------------------ internals
+
+    def _check_target(self, manifest: Manifest, version: int, current: int | None) -> None:
+        """Refuse a version this replica cannot go to, saying why."""
+        if version > manifest.latest:  # type: ignore[operator]
+            raise VersionError(f"{self.store.url}'s newest version is {manifest.latest}: version {version} is not "
+                               "published (yet)", current=current, latest=manifest.latest)
+        if manifest.entry(version) is None:
+            oldest = manifest.versions[0].version if manifest.versions else None
+            raise VersionError(f"version {version} is no longer listed at {self.store.url} (retention keeps "
+                               f"{oldest} to {manifest.latest})", current=current, latest=manifest.latest)
+        if current is not None and current > version:
+            raise VersionError(f"this replica holds version {current}, newer than {version}: a replica only "
+                               "moves forward", current=current, latest=manifest.latest)
 
     def _note_waiting(self, empty: bool) -> None:
         """Say, once and then every :data:`WAITING_LOG_S`, that nothing has been published yet."""

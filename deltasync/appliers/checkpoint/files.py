@@ -32,7 +32,7 @@ import mmap
 import os
 import struct
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,6 +45,7 @@ from ...format import MAX_HEADER_BYTES, raw_header
 from ...tensors import DTYPE_BY_NAME, TensorSpec, dtype_name
 
 __all__ = [
+    "checkpoint_reader",
     "checkpoint_specs",
     "INDEX_FILE",
     "SINGLE_FILE",
@@ -298,3 +299,23 @@ def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat
             for name in f.keys():
                 specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
     return specs
+
+
+class checkpoint_reader:
+    """``name -> tensor`` over a safetensors checkpoint directory, files opened lazily and closed on exit."""
+
+    def __init__(self, directory: str) -> None:
+        self.files = sorted(Path(directory).glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"no *.safetensors checkpoint in {directory} to prove the map against")
+        self.stack = contextlib.ExitStack()
+        self.where: dict[str, Any] = {}
+
+    def __enter__(self) -> Callable[[str], torch.Tensor | None]:
+        for file in self.files:
+            handle = self.stack.enter_context(safetensors.safe_open(str(file), framework="pt"))
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+        return lambda name: self.where[name].get_tensor(name) if name in self.where else None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,23 +51,27 @@ PREPACK_ATTR = "deltasync_prepacked_isa"
 """Attribute set on every tensor vLLM's CPU MoE prepack returns: the ISA it was packed for."""
 
 _ORIGINAL_PREPACK: Any = None
+_WHEN: Callable[[], bool] | None = None  # which engines' experts are tagged (None: every engine)
+_INSTALLED = False
 # data_ptr of a claimed packed parameter -> its ISA (filled when a map claims the parameter).
 _ISA_AT: dict[int, str] = {}
 
 
 def _tagging_prepack(weight: torch.Tensor, isa: str) -> torch.Tensor:
     out = _ORIGINAL_PREPACK(weight, isa)
-    setattr(out, PREPACK_ATTR, isa)
+    if _WHEN is None or _WHEN():
+        setattr(out, PREPACK_ATTR, isa)
     return out
 
 
-def install_expert_hooks() -> bool:
+def install_expert_hooks(when: Callable[[], bool] | None = None) -> bool:
     """Wrap vLLM's CPU MoE prepack so packed expert tensors carry their ISA; ``False`` without vllm.
 
-    Must run before the model loads (tensors packed earlier carry no tag, stay
-    claimed by the plain layout, and the replica's proof refuses them).
+    ``when``: tag only the tensors of engines it says ``True`` for (``None``: every engine; once so, it
+    stays so), as :func:`~.cpu_hooks.install_cpu_hooks`. Must run before the model loads (tensors packed
+    earlier carry no tag, stay claimed by the plain layout, and the replica's proof refuses them).
     """
-    global _ORIGINAL_PREPACK
+    global _ORIGINAL_PREPACK, _WHEN, _INSTALLED
     try:
         import vllm._custom_ops as ops
     except Exception:  # vllm missing or built without CPU ops: nothing to hook
@@ -75,11 +80,13 @@ def install_expert_hooks() -> bool:
         _ORIGINAL_PREPACK = getattr(ops, "cpu_prepack_moe_weight", None)
         if _ORIGINAL_PREPACK is None:
             return False
+    _WHEN = None if when is None or (_INSTALLED and _WHEN is None) else when
     # cpu_moe.py imports the function by name; rebind every module-level copy (read __dict__: lazy modules).
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get("cpu_prepack_moe_weight") is _ORIGINAL_PREPACK:
             namespace["cpu_prepack_moe_weight"] = _tagging_prepack
+    _INSTALLED = True
     return True
 
 

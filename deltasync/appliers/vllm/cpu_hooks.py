@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ PLAIN_WEIGHTS_ENV = "DELTASYNC_VLLM_PLAIN_WEIGHTS"
 # Layers whose weights the CPU backend packed: layer -> (plain weight Parameter, remove_weight).
 _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Parameter, bool]] = weakref.WeakKeyDictionary()
 _ORIGINAL_DISPATCH: Any = None
+_WHEN: Callable[[], bool] | None = None  # which engines get deltasync's dispatch (None: every engine)
+_INSTALLED = False
 
 
 def _plain_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -69,13 +71,19 @@ def _stashing_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         _PACKED[layer] = (weight, remove_weight)
 
 
-def install_cpu_hooks() -> str | None:
+def install_cpu_hooks(when: Callable[[], bool] | None = None) -> str | None:
     """Replace vLLM's CPU GEMM dispatch (plain or stashing); returns the mode installed.
 
-    Called when the worker extension module is imported, so in a worker it runs
-    before the model loads. Does nothing without vllm or off the CPU platform.
+    Args:
+        when (`Callable[[], bool]`, *optional*): asked as each layer is packed: deltasync's dispatch for the
+            engines it says ``True`` for, vLLM's own for the others (the plugin passes "this engine selects the
+            deltasync backend"). ``None``: every engine of this process (the worker extension, named by the
+            engine's own flags). Once installed for every engine, it stays so.
+
+    Called before the model loads: the worker extension module calls it on import, the plugin when vLLM
+    loads it. Does nothing without vllm or off the CPU platform.
     """
-    global _ORIGINAL_DISPATCH
+    global _ORIGINAL_DISPATCH, _WHEN, _INSTALLED
     try:
         import vllm.model_executor.layers.utils as utils
         from vllm.platforms import current_platform
@@ -85,15 +93,29 @@ def install_cpu_hooks() -> str | None:
         return None
     if _ORIGINAL_DISPATCH is None:
         _ORIGINAL_DISPATCH = utils.dispatch_cpu_unquantized_gemm
-    plain = os.environ.get(PLAIN_WEIGHTS_ENV, "").lower() in ("1", "true", "yes")
-    replacement = _plain_dispatch if plain else _stashing_dispatch
+    _WHEN = None if when is None or (_INSTALLED and _WHEN is None) else when
     # linear.py and vocab_parallel_embedding.py import the function at call time;
     # rebind any module-level copy too (read __dict__: lazy modules import on getattr).
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get("dispatch_cpu_unquantized_gemm") is _ORIGINAL_DISPATCH:
-            namespace["dispatch_cpu_unquantized_gemm"] = replacement
-    return "plain" if plain else "stash"
+            namespace["dispatch_cpu_unquantized_gemm"] = _dispatch
+    _INSTALLED = True
+    return _mode()
+
+
+def _mode() -> str:
+    return "plain" if os.environ.get(PLAIN_WEIGHTS_ENV, "").lower() in ("1", "true", "yes") else "stash"
+
+
+def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """vLLM's CPU GEMM dispatch where deltasync keeps weights patchable (:func:`install_cpu_hooks`)."""
+    if _WHEN is not None and not _WHEN():
+        _ORIGINAL_DISPATCH(layer, remove_weight)
+    elif _mode() == "plain":
+        _plain_dispatch(layer, remove_weight)
+    else:
+        _stashing_dispatch(layer, remove_weight)
 
 
 def packed_layer_names(model: torch.nn.Module) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ from ...format import Header, file_entries, read_header
 from ...stores import Store
 from ...stores.wrap import DelegatingStore
 
-__all__ = ["TAP_KEEP", "TapStore", "TapBuffer", "changed_indices"]
+__all__ = ["TAP_KEEP", "TapStore", "TapBuffer", "changed_indices", "indices_of"]
 
 TAP_KEEP = 8  # downloaded deltas kept for index prefetch until their version is decoded
 
@@ -94,11 +94,14 @@ def changed_indices(headers: Iterable[Header], tapped: TapBuffer) -> dict[str, l
     One array per file that carries the tensor (several when a sharded trainer
     wrote it in slices), ordered by first index.
     """
+    found = [(header, blob) for header in headers if (blob := tapped.take(header)) is not None]
+    return indices_of([h for h, _ in found], [b for _, b in found])
+
+
+def indices_of(headers: Sequence[Header], blobs: Sequence[bytes | memoryview]) -> dict[str, list[np.ndarray]]:
+    """:func:`changed_indices` of files in hand: ``blobs[k]`` is the file whose header is ``headers[k]``."""
     pieces: dict[str, list[np.ndarray]] = {}
-    for header in headers:
-        blob = tapped.take(header)
-        if blob is None:
-            continue
+    for header, blob in zip(headers, blobs):
         entries: dict[str, Any] | None = None
         for name, entry in header.tensors.items():
             if type(get_codec(entry.codec)) is not CompactCodec:  # its index stream holds the positions read
@@ -119,7 +122,7 @@ def changed_indices(headers: Iterable[Header], tapped: TapBuffer) -> dict[str, l
     return pieces
 
 
-def _load_entries(blob: bytes) -> dict[str, np.ndarray] | None:
+def _load_entries(blob: bytes | memoryview) -> dict[str, np.ndarray] | None:
     """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it)."""
     try:
         return {k: v.numpy() for k, v in file_entries(blob).items() if v.dtype == torch.uint8}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,8 @@ _MISSING = "changed elements are not held by this rank"
 
 @collector_paused()  # the headers and entries die with this call, inside the pause: no collection walks them
 def decode_here(
-    index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool, on_device: bool | None = None
+    index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool, on_device: bool | None = None,
+    lookup: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> list[Patch]:
     """Decode the files of one version against this rank's weights and check the result; nothing is written.
 
@@ -64,6 +65,8 @@ def decode_here(
         on_device: rebuild ``compact`` tensors where the weights live (:class:`MapReader`); by default
             when some weight of this rank is on an accelerator. ``True`` on a CPU takes the same path
             (the tests' way to run it without a GPU).
+        lookup: the bases to decode against, ``lookup(name, indices)`` (a tensor-parallel rank's, gathered
+            from every rank); by default this rank's own weights, which must hold every changed element.
 
     Returns:
         `list[Patch]`: checked patches (:func:`~.apply.plan_patches`), ready for
@@ -74,17 +77,21 @@ def decode_here(
             not hold the delta's base), or an element this rank does not hold.
     """
 
-    def lookup(name: str, indices: np.ndarray) -> np.ndarray:
+    def own(name: str, indices: np.ndarray) -> np.ndarray:
         request = np.ascontiguousarray(indices, dtype=np.int64)
         held = read_bits(index, {name: {"idx": request}})[name]  # checked: a known name, indices in bounds
         return merge_bits(index.specs[name], request.size, [held], missing=_MISSING)
 
     device = accelerator_of(index)
     if on_device is None:
-        on_device = device is not None
+        on_device = device is not None and lookup is None
     reader = MapReader(index) if on_device else None
     # On the host, a tensor held whole in one plain parameter is read in place by the compiled rebuild.
-    base = lookup if on_device else FlatLookup(lookup, index.flat_bits)
+    base: Callable[[str, np.ndarray], np.ndarray]
+    if lookup is not None:
+        base = lookup
+    else:
+        base = own if on_device else FlatLookup(own, index.flat_bits)
     try:  # writable buffers (a private mapping as it is, else a copy): the streams are viewed in place
         parts = [decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=base,
                         on_device=reader) for f in files]

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from ... import errors
 from ...errors import DeltaSyncError
 
 __all__ = ["InProcessEngine", "ServerEngine", "HTTP_TIMEOUT_S", "version_label", "parse_version_label"]
@@ -97,6 +98,9 @@ class ServerEngine:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
+            refused = _refusal(detail)
+            if refused is not None:  # the deltasync backend refused: its own error, with its message
+                raise refused from None
             raise DeltaSyncError(f"{self.url}{path} answered {exc.code}: {detail}", url=self.url) from None
         except urllib.error.URLError as exc:
             raise DeltaSyncError(
@@ -143,9 +147,10 @@ class ServerEngine:
                 said = True
             time.sleep(interval)
 
-    def rpc(self, method: str, *args: Any) -> list[Any]:
+    def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every worker through ``/collective_rpc``; one answer per rank."""
-        answer = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        body = {"method": method, "args": list(args), "timeout": self.timeout, **({"kwargs": kwargs} if kwargs else {})}
+        answer = self._post("/collective_rpc", body)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list):
             raise DeltaSyncError(f"{self.url}/collective_rpc answered without a list of results ({str(answer)[:80]}): "
@@ -167,6 +172,35 @@ class ServerEngine:
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed with the old weights)."""
         self._post("/reset_prefix_cache")
+
+    # ------------------------------------------------------------------ vLLM's weight-transfer round trip
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``/init_weight_transfer_engine``: point the engine's weight-transfer backend at ``init_info``."""
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``/start_weight_update``."""
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``/update_weights``: a refusal of the deltasync backend raises its own typed error."""
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``/finish_weight_update``, labelling the weights ``weight_version``."""
+        self._post("/finish_weight_update", {"weight_version": weight_version})
+
+    def weight_version(self) -> str | None:
+        """The engine's weight-version label (``/weight_info``)."""
+        request = urllib.request.Request(self.url + "/weight_info", method="GET")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = json.loads(response.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise DeltaSyncError(f"cannot read {self.url}/weight_info ({exc})", url=self.url) from None
+        label = answer.get("weight_version") if isinstance(answer, dict) else None
+        return label if isinstance(label, str) else None
 
     def load_lora(self, name: str, path: str) -> None:
         """Load the adapter in ``path`` as ``name``, replacing the one loaded under that name
@@ -198,3 +232,19 @@ def parse_version_label(label: Any, run_id: str | None) -> int | None:
         return int(number)
     except ValueError:
         return None  # "default": nothing applied yet
+
+
+def _refusal(body: str) -> DeltaSyncError | None:
+    """The deltasync error a server's JSON error body names (``{"error": {"type", "message"}}``), else ``None``."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    kind = error.get("type") if isinstance(error, dict) else None
+    cls = getattr(errors, kind, None) if isinstance(kind, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, DeltaSyncError)):
+        return None
+    try:
+        return cls(str(error.get("message")))
+    except TypeError:
+        return DeltaSyncError(str(error.get("message")))

@@ -40,10 +40,8 @@ Limitations:
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ import torch
 
 from ...errors import DeltaSyncError
 from ..apply import Patch, plan_patches, read_bits, write_patches
+from ..checkpoint.files import checkpoint_reader
 from ..mapping import IndexMap
 from ..verify import VERIFY_SAMPLES, check_written, compare_held, pack_held, prove_map
 from .cpu_experts import install_expert_hooks
@@ -110,7 +109,7 @@ class DeltaSyncWorkerExtension:
             if getattr(self, "_deltasync_written", False):
                 proof = "earlier"
             else:
-                with _checkpoint_reader(_engine_checkpoint(self, checkpoint)) as loaded, torch.no_grad():
+                with checkpoint_reader(_engine_checkpoint(self, checkpoint)) as loaded, torch.no_grad():
                     proof = prove_map(index, loaded).as_dict()
         reached = {t.param_name for targets in index.targets.values() for t in targets}
         packed = packed_layer_names(model)
@@ -227,7 +226,7 @@ class DeltaSyncWorkerExtension:
         elements read back and how many differ, and which elements were read (a bit per element,
         :func:`~.verify.pack_held`). O(numel) here; no weights go back."""
         index = _require_index(self)
-        with _checkpoint_reader(checkpoint) as loaded, torch.no_grad():
+        with checkpoint_reader(checkpoint) as loaded, torch.no_grad():
             counts, masks = compare_held(index, loaded)
         return {"rank": _rank(self), "tensors": counts, "held": pack_held(masks, text=text)}
 
@@ -240,28 +239,6 @@ class DeltaSyncWorkerExtension:
         spec = index.specs[name]
         idx = torch.arange(spec.numel, dtype=torch.int64)
         return self.deltasync_lookup(pack({name: {"idx": idx.numpy()}}, text=text)) | {"numel": spec.numel}
-
-
-class _checkpoint_reader:
-    """``name -> tensor`` over a safetensors checkpoint directory, files opened lazily and closed on exit."""
-
-    def __init__(self, directory: str) -> None:
-        self.files = sorted(Path(directory).glob("*.safetensors"))
-        if not self.files:
-            raise FileNotFoundError(f"no *.safetensors checkpoint in {directory} to prove the map against")
-        self.stack = contextlib.ExitStack()
-        self.where: dict[str, Any] = {}
-
-    def __enter__(self) -> Callable[[str], torch.Tensor | None]:
-        import safetensors
-
-        for file in self.files:
-            handle = self.stack.enter_context(safetensors.safe_open(str(file), framework="pt"))
-            self.where.update(dict.fromkeys(handle.keys(), handle))
-        return lambda name: self.where[name].get_tensor(name) if name in self.where else None
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.close()
 
 
 def _engine_checkpoint(worker: Any, given: str) -> str:

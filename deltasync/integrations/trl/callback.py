@@ -89,6 +89,7 @@ from ...replica.subscriber import read_acks
 from ...stores import Store
 from ...util.checks import check_int, check_number
 from ..distributed import Gathered, NotGathered, fsdp1_gathered, sharding_of, zero3_gathered
+from .metrics import publish_metrics
 
 transformers = require("transformers", "trl")
 
@@ -373,26 +374,7 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             infos, self._unlogged = self._unlogged, []
             waited, waits, replica = self._waited_s, self._waits, self._replica_version
             self._waited_s, self._waits = 0.0, 0
-        out: dict[str, float] = {}
-        if self.version is not None:
-            out["deltasync/version"] = self.version
-        deltas = [i for i in infos if i.kind == "delta"]
-        if deltas:
-            n = len(deltas)
-            out["deltasync/versions"] = n
-            out["deltasync/bytes"] = sum(i.bytes for i in deltas) / n
-            out["deltasync/dense_bytes"] = deltas[-1].dense_bytes
-            out["deltasync/compression"] = sum(i.dense_bytes / max(i.bytes, 1) for i in deltas) / n
-            out["deltasync/sparsity"] = sum(i.sparsity for i in deltas) / n
-            out["deltasync/changed"] = sum(i.nnz for i in deltas) / n
-            out["deltasync/diff_s"] = sum(i.t_diff for i in deltas) / n
-            out["deltasync/publish_s"] = sum(i.t_total for i in deltas) / n
-            out["deltasync/coalesced"] = sum(i.coalesced for i in deltas)
-            if any(i.form for i in deltas):  # a LoRA run with lora="auto" / "adapter"
-                out["deltasync/adapter_form"] = sum(i.form == "adapter" for i in deltas) / n
-        anchors = [i for i in infos if i.kind == "anchor"]
-        if anchors:
-            out["deltasync/anchor_bytes"] = anchors[-1].bytes
+        out = publish_metrics(infos, self.version)
         if waits:
             out["deltasync/wait_s"] = waited
         if replica is not None:

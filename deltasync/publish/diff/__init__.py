@@ -7,6 +7,6 @@
 
 from __future__ import annotations
 
-from .snapshot import DEFAULT_CHUNK, DENSE_FRACTION, DEVICE_CHUNK, Snapshot, diff
+from .snapshot import DEFAULT_CHUNK, DENSE_FRACTION, DEVICE_CHUNK, Snapshot, diff, diff_stream
 
-__all__ = ["DEFAULT_CHUNK", "DENSE_FRACTION", "DEVICE_CHUNK", "Snapshot", "diff"]
+__all__ = ["DEFAULT_CHUNK", "DENSE_FRACTION", "DEVICE_CHUNK", "Snapshot", "diff", "diff_stream"]

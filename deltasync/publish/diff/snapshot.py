@@ -37,6 +37,7 @@ from ...tensors import (
     TensorChange,
     TensorSpec,
     bits_view,
+    check_publishable,
     published_dtype,
     published_tensors,
     settle,
@@ -47,7 +48,7 @@ from ...util.collector import collector_paused
 from .chunks import blocks
 from .device import changes_on_device
 
-__all__ = ["Snapshot", "diff", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
+__all__ = ["Snapshot", "diff", "diff_stream", "DEFAULT_CHUNK", "DEVICE_CHUNK", "DENSE_FRACTION"]
 
 # Elements compared per step: 4 Mi elements keep the fp32 -> bf16 cast (8 MiB)
 # and the word mask (1 MiB) small while amortising torch's per-op overhead;
@@ -117,6 +118,27 @@ class Snapshot:
                 name, tensor, _ = found[k]
                 copies[name] = memory[at : at + tensor.numel()].view(tensor.shape).copy_(tensor)
         settle(t.device for t in copies.values())  # read next on the publisher's thread (the first anchor)
+        return cls(copies)
+
+    @classmethod
+    def capture_stream(
+        cls, stream: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = torch.bfloat16,
+    ) -> Snapshot:
+        """Copy weights that arrive one tensor at a time (a gathering trainer's stream), each as it arrives:
+        memory is the copy plus the tensor in hand, never a second copy of the model.
+
+        Raises:
+            `ConfigError`: a tensor that cannot be published exactly. `TensorMismatch`: a name twice.
+        """
+        copies: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:
+            if name in copies:
+                raise TensorMismatch(f"{name} arrived twice in one version's stream", name=name)
+            check_publishable(name, tensor)
+            copies[name] = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
+            copies[name].copy_(tensor.detach())
+            del tensor  # let it go before the stream makes the next one
+        settle(t.device for t in copies.values())
         return cls(copies)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -224,6 +246,46 @@ def diff(
         if change is not None:
             changes.append(change)
     return ChangeSet(tuple(changes), snapshot.specs)
+
+
+@collector_paused()
+def diff_stream(
+    snapshot: Snapshot, stream: Iterable[tuple[str, torch.Tensor]], *, chunk: int | None = None,
+    dense_fraction: float = DENSE_FRACTION,
+) -> ChangeSet:
+    """:func:`diff` of weights that arrive one tensor at a time: each is compared with the snapshot as it arrives
+    and let go, so memory stays the snapshot, the tensor in hand and the changes found.
+
+    Every tensor is compared on the host path, one at a time (the device path batches a version's tensors).
+
+    Raises:
+        `TensorMismatch`: a name the snapshot lacks, a name twice, a shape that differs, or a tensor missing
+            from the stream.
+    """
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    specs = {s.name: s for s in snapshot.specs}
+    scratch = _Scratch(chunk or DEFAULT_CHUNK)
+    found: dict[str, TensorChange] = {}
+    seen: set[str] = set()
+    for name, tensor in stream:
+        spec = specs.get(name)
+        if spec is None or name in seen:
+            raise TensorMismatch(
+                f"{name} {'arrived twice in one version' if spec else 'is not in the published model'}; publish "
+                "a new anchor with a fresh Publisher if the model changed", name=name,
+            )
+        seen.add(name)
+        _check_shape(spec, tensor)
+        change = _diff_tensor(spec, snapshot[name], tensor, scratch, dense_fraction)
+        del tensor  # let it go before the stream makes the next one
+        if change is not None:
+            found[name] = change
+    missing = sorted(specs.keys() - seen)
+    if missing:
+        raise TensorMismatch(f"the stream left out {missing[:5]} ({len(missing)} tensors) of the published model",
+                             missing=missing)
+    return ChangeSet(tuple(found[s.name] for s in snapshot.specs if s.name in found), snapshot.specs)
 
 
 class _Scratch:

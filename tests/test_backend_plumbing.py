@@ -1,0 +1,163 @@
+"""The ``deltasync`` backend's plumbing that needs no engine: refusals as HTTP statuses (both ways), the typed
+errors a client gets back, the plugin's conditional CPU hooks, and routes to a version below the newest."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from deltasync import errors
+from deltasync.appliers.vllm.refusals import STATUS, refusal_text, status_of
+from deltasync.appliers.vllm.rpc import ServerEngine
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class TestRefusals:
+    @pytest.mark.parametrize(("error", "status"), [
+        (errors.ConfigError("bad update_info", argument="version"), 400),
+        (errors.ObjectNotFound("gone"), 404),
+        (errors.FingerprintMismatch("another model"), 409),
+        (errors.VersionError("not published"), 409),
+        (errors.IntegrityError("flipped byte"), 422),
+        (errors.CodecError("bad stream"), 422),
+        (errors.StoreError("down"), 502),
+        (errors.LayoutMismatch("read back wrong", name="w"), 409),
+        (errors.DeltaSyncError("something else"), 500),
+    ])
+    def test_each_refusal_carries_its_status_through_vllms_wrapping(self, error: Any, status: int) -> None:
+        text = refusal_text(error)
+        for wrapped in (
+            text,
+            f"Call to collective_rpc method failed: {text}",
+            f"Call to collective_rpc method failed: Worker failed with error '{text}', please check the stack "
+            "trace above for the root cause",
+        ):
+            assert status_of(wrapped) == (status, type(error).__name__, str(error))
+
+    def test_other_errors_keep_vllms_answer(self) -> None:
+        assert status_of("Worker failed with error 'CUDA out of memory'") is None
+
+    def test_every_status_is_a_4xx_or_the_stores_502(self) -> None:
+        assert {code for _, code in STATUS} <= {400, 404, 409, 422, 502}
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    answer: tuple[int, dict[str, Any]] = (409, {})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        status, body = self.answer
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing() -> Iterator[type[_Refusing]]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Refusing.url = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    yield _Refusing
+    server.shutdown()
+
+
+class TestClient:
+    def test_a_refusal_comes_back_as_its_own_error(self, refusing: Any) -> None:
+        refusing.answer = (409, {"error": {"type": "FingerprintMismatch", "message": "another model's run",
+                                           "code": 409}})
+        with pytest.raises(errors.FingerprintMismatch, match="another model's run"):
+            ServerEngine(refusing.url).update_weights({"version": 3})
+
+    def test_anything_else_is_a_plain_error_naming_the_url(self, refusing: Any) -> None:
+        refusing.answer = (500, {"error": {"type": "InternalServerError", "message": "boom"}})
+        with pytest.raises(errors.DeltaSyncError, match="answered 500") as caught:
+            ServerEngine(refusing.url).start_weight_update()
+        assert type(caught.value) is errors.DeltaSyncError
+
+
+class TestRoutesBelowTheNewest:
+    def test_a_replica_goes_to_exactly_the_version_asked_and_never_back(self, tmp_path: Any) -> None:
+        import torch
+
+        from deltasync import Publisher, Subscriber, TorchModuleApplier
+
+        weights = {"w": torch.zeros(64)}
+        replica = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+        with Publisher(weights, str(tmp_path), anchor_every=100, anchor_ratio=1e9) as pub:
+            for step in range(6):
+                weights["w"][step] += 1.0
+                pub.publish(step, block=True)
+            pub.flush()
+        with Subscriber(str(tmp_path), TorchModuleApplier(replica), ack=False) as sub:
+            info = sub.update(version=2)
+            assert info is not None and sub.version == 2 and replica["w"][:3].tolist() == [1.0, 1.0, 1.0]
+            assert replica["w"][3] == 0
+            assert sub.update(version=2) is None
+            with pytest.raises(errors.VersionError, match="only moves forward"):
+                sub.update(version=1)
+            with pytest.raises(errors.VersionError, match="not published"):
+                sub.update(version=9)
+            assert sub.update(version=4) is not None and sub.version == 4 and replica["w"][4] == 1
+            assert sub.update() is not None and sub.version == 5
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+class TestPlugin:
+    def test_the_cpu_hooks_step_aside_for_engines_of_other_backends(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        from deltasync.appliers.vllm import cpu_hooks
+        from deltasync.integrations.vllm.plugin import selected
+
+        calls: list[str] = []
+        monkeypatch.setattr(cpu_hooks, "_ORIGINAL_DISPATCH", lambda layer, remove: calls.append("vllm"))
+        monkeypatch.setattr(cpu_hooks, "_plain_dispatch", lambda layer, remove: calls.append("deltasync"))
+        monkeypatch.setattr(cpu_hooks, "_WHEN", selected)
+        monkeypatch.setenv(cpu_hooks.PLAIN_WEIGHTS_ENV, "1")
+        for backend, expected in (("deltasync", "deltasync"), ("nccl", "vllm")):
+            config = VllmConfig(weight_transfer_config=WeightTransferConfig(backend=backend))
+            with set_current_vllm_config(config):
+                cpu_hooks._dispatch(object(), True)
+            assert calls[-1] == expected
+        cpu_hooks._dispatch(object(), True)  # no engine loading: vLLM's own
+        assert calls[-1] == "vllm"
+
+    def test_the_server_answers_a_refusal_with_its_status(self) -> None:
+        from fastapi import FastAPI
+        from starlette.testclient import TestClient as HTTP
+        from vllm.entrypoints.serve.exception_handling import register
+
+        from deltasync.integrations.vllm import plugin
+
+        plugin._answer_refusals_with_their_status()
+        app = FastAPI()
+        app.state.args = type("Args", (), {"log_error_stack": False})()
+        register.init_exception_handler(app)
+
+        @app.post("/refuse")
+        async def refuse() -> None:
+            raise Exception("Call to collective_rpc method failed: " + refusal_text(errors.VersionError("no v9")))
+
+        @app.post("/fail")
+        async def fail() -> None:
+            raise Exception("disk on fire")
+
+        client = HTTP(app, raise_server_exceptions=False)
+        answer = client.post("/refuse")
+        assert answer.status_code == 409 and answer.json()["error"] == {
+            "message": "no v9", "type": "VersionError", "code": 409, "param": None}
+        assert client.post("/fail").status_code == 500
