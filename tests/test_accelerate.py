@@ -21,6 +21,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,24 @@ LAUNCHES = {  # config file -> how accelerate runs the processes, and how their 
 }
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server (worker extension) for every launch: each run's follower brings it to that run's weights,
+    from the run's first anchor."""
+    from deltasync.demo.models import smollm2_checkpoint
+    from tests.test_trl import _example
+
+    example = _example()
+    log = tmp_path_factory.mktemp("accelerate-server") / "server.log"
+    with open(log, "wb") as out, example.start_server(smollm2_checkpoint(), example.free_port(), log=out) as url:
+        yield url
+
+
 @pytest.mark.parametrize(("config", "extra"), [("fsdp2", []), ("zero3", []), ("zero3", ["--lora-rank", "8"])],
                          ids=["fsdp2", "zero3", "zero3-lora"])
-def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path, config: str, extra: list[str]) -> None:
+def test_grpo_under_accelerate_launch_reaches_the_server_exactly(
+    tmp_path: Path, server: str, config: str, extra: list[str]
+) -> None:
     import safetensors.torch
 
     from deltasync.appliers.vllm.follower import VLLMFollower, checkpoint_specs
@@ -57,9 +73,9 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
     model_dir = smollm2_checkpoint()
     store, final = str(tmp_path / "run"), tmp_path / "final.safetensors"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    url = server
     with (
-        open(tmp_path / "server.log", "wb") as log,
-        example.start_server(model_dir, example.free_port(), log=log) as url,
+        open(tmp_path / "follower.log", "wb") as log,
         example.start_follower(store, url, model_dir, replica_id="replica-0", log=log) as follower,
     ):
         launch = subprocess.run(
@@ -72,7 +88,7 @@ def test_grpo_under_accelerate_launch_reaches_the_server_exactly(tmp_path: Path,
         output = launch.stdout + launch.stderr
         (tmp_path / "launch.log").write_text(output)
         assert launch.returncode == 0, output[-6000:]
-        assert follower.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        assert follower.poll() is None, (tmp_path / "follower.log").read_text()[-3000:]
         launched, sharding = LAUNCHES[config]
         assert f"training with 2 process(es), {launched}" in output, output[-3000:]
         assert f"trained {sharding} parameters" in output, output[-3000:]

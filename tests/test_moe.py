@@ -87,10 +87,13 @@ def _follow(llm: Any, moe_dir: Path, store: str, trainer: Trainer, steps: int) -
     return {"weights": trainer.bf16(), "digests": llm.collective_rpc(runtime_digests), "touched": touched}
 
 
-def test_unknown_packing_is_refused_before_any_write(moe_dir: Path) -> None:
-    """Without the packed-experts layout the map addresses the unpacked layout: the proof must refuse it."""
+def test_unknown_packing_is_refused_then_a_trained_moe_is_followed_exactly(moe_dir: Path, tmp_path: Path) -> None:
+    """Without the packed-experts layout the map addresses the unpacked layout: the proof refuses it and nothing
+    is written. With it, default CPU weights at TP=1 are exact after every version, and the runtime bytes equal a
+    fresh engine's."""
     from deltasync.appliers.vllm.follower import VLLMFollower
 
+    trainer = Trainer(moe_dir, lr=1e-4)
     with engine(moe_dir, plain=False) as llm:
         before = llm.collective_rpc(runtime_digests)
         llm.collective_rpc(_drop_packed_layout)
@@ -100,14 +103,7 @@ def test_unknown_packing_is_refused_before_any_write(moe_dir: Path) -> None:
         assert caught.value.name.endswith(("w13_weight", "w2_weight"))
         assert llm.collective_rpc(runtime_digests) == before  # nothing was written
         llm.collective_rpc(_restore_packed_layout)
-        VLLMFollower(llm, model=moe_dir)  # proves once the layout is known
-
-
-def test_trained_moe_followed_exactly_and_equals_a_fresh_engine(moe_dir: Path, tmp_path: Path) -> None:
-    """Default CPU weights, TP=1: exact after every version; runtime bytes equal a fresh engine's."""
-    trainer = Trainer(moe_dir, lr=1e-4)
-    with engine(moe_dir, plain=False) as llm:
-        followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=3)
+        followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=3)  # proves once the layout is known
     fresh_dir = save_checkpoint(followed["weights"], moe_dir, tmp_path / "fresh")
     with engine(fresh_dir, plain=False) as llm:
         fresh = llm.collective_rpc(runtime_digests)
