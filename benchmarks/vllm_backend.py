@@ -1,8 +1,9 @@
 """A training step's weights reaching a vLLM server: deltasync's backend, deltasync's follower, a full reload.
 
 Real servers (vLLM's CPU build, ``python -m vllm.entrypoints.openai.api_server``, TP=1) and a real trainer
-(fp32 masters, AdamW). For each training step the trainer publishes one version, and three paths bring
-that version to a server, one after another, medians over the steps:
+(fp32 masters, AdamW). The trainer first publishes one version per training step (and saves each step's
+weights as a full checkpoint); then each path brings every version, one at a time, to a server of its own
+that runs alone on the machine; medians over the steps:
 
 - (a) **backend**: a server launched with ``--weight-transfer-config '{"backend": "deltasync"}'`` and
   nothing else of ours, driven through vLLM's round trip (``/start_weight_update``, ``/update_weights``,
@@ -14,10 +15,11 @@ that version to a server, one after another, medians over the steps:
 - (c) **full reload**: the same version as a full bf16 checkpoint written to disk, then the server's own
   ``reload_weights`` (vLLM's ``load_weights`` path) through ``/collective_rpc``.
 
-Per path: seconds from ``publish()`` to the server serving the version (the publish is shared by (a) and
-(b): diff, encode, upload, commit; (c)'s is the checkpoint write), the seconds the engine spent in the
-update (generation waits for them: collective RPCs run between engine steps), and the bytes moved.
-Both servers end bit-exact with the trainer (checked at the end through the follower's read-back).
+Per path: seconds from ``publish()`` to the server serving the version (the publish, shared by (a) and
+(b): diff, encode, upload, commit; for (c), writing the checkpoint), the seconds of the update itself
+(generation waits for the part of it that runs in the engine: collective RPCs run between engine steps),
+and the bytes moved. Every server ends bit-exact with the trainer (the follower's read-back, and the
+backend server's ``/weight_checker`` checksums against the reloaded one's).
 
 Writes ``benchmarks/results/vllm_backend.json`` and prints a table.
 
@@ -28,12 +30,14 @@ Writes ``benchmarks/results/vllm_backend.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +63,6 @@ def main() -> None:
     from deltasync.appliers.vllm.server_follower import ServerFollower
     from deltasync.demo.models import smollm2_checkpoint
     from deltasync.publish.publisher import Publisher
-    from examples.grpo_delta_sync import _stop, free_port, wait_healthy
     from tests.vllm_helpers import Trainer, assert_engine_exact, save_checkpoint, tiny_qwen3_moe
 
     work = Path(tempfile.mkdtemp(prefix="vllm-backend-"))
@@ -68,71 +71,58 @@ def main() -> None:
     lr = args.lr if args.model == "smollm2" else 1e-3
     store = str(work / "run")
     trainer = Trainer(model, lr=lr)
+    rows: list[dict[str, Any]] = []
+    with Publisher(trainer.model, store) as pub:  # every version first, with its full checkpoint beside it
+        for step in range(args.steps + 1):
+            if step:
+                trainer.step()
+            started = time.perf_counter()
+            pub.publish(step, block=True)
+            pub.flush()
+            published = time.perf_counter()
+            full = save_checkpoint(trainer.bf16(), model, work / f"full-{step}")
+            info = pub.stats.last
+            assert info is not None and pub.version == step
+            rows.append({"step": step, "version": step, "kind": info.kind, "bytes": info.bytes,
+                         "dense_bytes": info.dense_bytes, "publish_s": published - started,
+                         "full_bytes": sum(f.stat().st_size for f in full.glob("*.safetensors")),
+                         "full_write_s": time.perf_counter() - published, "full": str(full)})
+    final = trainer.bf16()
     common = ["--model", str(model), "--host", "127.0.0.1", "--dtype", "bfloat16", "--gpu-memory-utilization",
               "0.15", "--max-model-len", "512", "--enforce-eager", "--seed", "0"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("DELTASYNC_VLLM_PLAIN_WEIGHTS", None)
-    ports = free_port(), free_port()
-    logs = open(work / "servers.log", "wb")  # noqa: SIM115 - closed at the end
-    backend = _start([*common, "--port", str(ports[0]), "--weight-transfer-config", '{"backend": "deltasync"}'],
-                     env, logs)
-    extension = _start([*common, "--port", str(ports[1]), "--worker-extension-cls",
-                        "deltasync.appliers.vllm.worker.DeltaSyncWorkerExtension"], env, logs)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    rows: list[dict[str, Any]] = []
-    try:
-        for url, process in zip(urls, (backend, extension)):
-            wait_healthy(url, process, timeout=600)
-        server = ServerFollower(urls[0], store)
-        follower = VLLMFollower(urls[1], model=model)
-        sub = follower.subscriber(store, ack=False)
-        engine = ServerEngine(urls[1])
-        with Publisher(trainer.model, store) as pub:
-            for step in range(args.steps + 1):
-                if step:
-                    trainer.step()
-                started = time.perf_counter()
-                pub.publish(step, block=True)
-                pub.flush()
-                published = time.perf_counter()
-                a = server.update()
-                a_done = time.perf_counter()
-                b = sub.update()
-                b_done = time.perf_counter()
-                full = save_checkpoint(trainer.bf16(), model, work / f"full-{step}")
-                written = time.perf_counter()
-                engine.rpc("reload_weights", weights_path=str(full))
-                reloaded = time.perf_counter()
-                assert a is not None and b is not None and a.version == b.version == pub.version
-                info = pub.stats.last
-                assert info is not None
-                rows.append({
-                    "step": step, "version": pub.version, "kind": info.kind, "bytes": info.bytes,
-                    "dense_bytes": info.dense_bytes,
-                    "full_bytes": sum(f.stat().st_size for f in full.glob("*.safetensors")),
-                    "publish_s": published - started,
-                    "backend_apply_s": a_done - published, "follower_apply_s": b_done - a_done,
-                    "full_write_s": written - b_done, "full_reload_s": reloaded - written,
-                })
-                print(json.dumps(rows[-1]), flush=True)
-        weights = trainer.bf16()
-        assert_engine_exact(follower, weights)
-        follower.close()
-        sub.close()
-    finally:
-        for process in (backend, extension):
-            _stop(process)
-        logs.close()
+    with open(work / "servers.log", "wb") as logs:
+        with _server([*common, "--weight-transfer-config", '{"backend": "deltasync"}'], env, logs) as url:
+            server = ServerFollower(url, store)
+            server.initialise()
+            for row in rows:
+                row["backend_apply_s"] = _timed(lambda v=row["version"]: server.update(version=v))
+            backend_checksums = _checksums(url)
+        with _server([*common, "--worker-extension-cls", "deltasync.appliers.vllm.worker.DeltaSyncWorkerExtension"],
+                     env, logs) as url:
+            follower = VLLMFollower(url, model=model)
+            with follower.subscriber(store, ack=False) as sub:
+                for row in rows:
+                    row["follower_apply_s"] = _timed(lambda v=row["version"]: sub.update(version=v))
+            assert_engine_exact(follower, final)
+            engine = ServerEngine(url)
+            for row in rows:
+                row["full_reload_s"] = _timed(lambda f=row.pop("full"): engine.rpc("reload_weights", weights_path=f))
+            assert _checksums(url) == backend_checksums  # the backend's server held what vLLM's own reload gives
+            follower.close()
+    for row in rows:
+        print(json.dumps(row), flush=True)
     steady = [r for r in rows if r["kind"] == "delta"]
     summary = {
         "backend": {"publish_to_serving_s": median([r["publish_s"] + r["backend_apply_s"] for r in steady]),
-                    "engine_s": median([r["backend_apply_s"] for r in steady]),
+                    "update_s": median([r["backend_apply_s"] for r in steady]),
                     "bytes": median([r["bytes"] for r in steady])},
         "follower": {"publish_to_serving_s": median([r["publish_s"] + r["follower_apply_s"] for r in steady]),
-                     "engine_s": median([r["follower_apply_s"] for r in steady]),
+                     "update_s": median([r["follower_apply_s"] for r in steady]),
                      "bytes": median([r["bytes"] for r in steady])},
         "full_reload": {"publish_to_serving_s": median([r["full_write_s"] + r["full_reload_s"] for r in steady]),
-                        "engine_s": median([r["full_reload_s"] for r in steady]),
+                        "update_s": median([r["full_reload_s"] for r in steady]),
                         "bytes": median([r["full_bytes"] for r in steady])},
     }
     path = write_json(f"vllm_backend{'' if args.model == 'smollm2' else '_moe'}", {
@@ -140,20 +130,46 @@ def main() -> None:
     }, args.out)
     print(f"\n{args.model}: {len(steady)} training steps, medians (the anchor of the first version excluded)\n")
     print(table(
-        [[name, f"{s['publish_to_serving_s']:.3f}", f"{s['engine_s']:.3f}", f"{s['bytes']:,.0f}"]
+        [[name, f"{s['publish_to_serving_s']:.3f}", f"{s['update_s']:.3f}", f"{s['bytes']:,.0f}"]
          for name, s in (("(a) deltasync backend", summary["backend"]),
                          ("(b) deltasync follower + extension", summary["follower"]),
                          ("(c) full reload (reload_weights)", summary["full_reload"]))],
-        ["path", "publish -> serving (s)", "engine busy (s)", "bytes"],
+        ["path", "publish -> serving (s)", "update (s)", "bytes"],
     ))
     print(f"\nwrote {path}")
 
 
-def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
+@contextlib.contextmanager
+def _server(args: list[str], env: dict[str, str], log: Any) -> Iterator[str]:
+    """A vLLM server alone on the machine for one path; yields its URL."""
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    from examples.grpo_delta_sync import _stop, free_port, wait_healthy
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args, "--port",
+                                str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, timeout=600)
+        yield url
+    finally:
+        _stop(process)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _checksums(url: str) -> dict[str, str]:
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/weight_checker", data=json.dumps({"action": "checksum"}).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())["checksums"]
 
 
 if __name__ == "__main__":

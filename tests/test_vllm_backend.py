@@ -159,6 +159,11 @@ class TestServer:
         assert code == 409 and body["error"]["type"] == "FingerprintMismatch", body
         code, body = _post(f"{url}/init_weight_transfer_engine", {"init_info": {"stroe": store}})
         assert code == 400 and "unknown keys" in body["error"]["message"], body
+        # What TRL's plain GRPOTrainer sends to set up NCCL: one line on what to do instead.
+        nccl = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+        code, body = _post(f"{url}/init_weight_transfer_engine", {"init_info": nccl})
+        message = body["error"]["message"]
+        assert code == 400 and "not NCCL" in message and "DeltaSyncTransfer" in message, body
         # A damaged delta: refused before any write.
         follower = ServerFollower(url, store)
         follower.initialise()

@@ -388,6 +388,12 @@ def _parsed(cls: type[Any], raw: Any, what: str) -> Any:
         if not isinstance(raw, dict):
             raise ConfigError(f"{what} must be a JSON object, not {type(raw).__name__}", argument=what)
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if cls is DeltaSyncInitInfo and {"master_address", "world_size"} & set(raw):
+            raise ConfigError(
+                "this server runs the deltasync weight-transfer backend, not NCCL: train with deltasync's "
+                "DeltaSyncGRPOTrainer or AsyncGRPOTrainer(weight_transfer=DeltaSyncTransfer(...)), or restart the "
+                """server with --weight-transfer-config '{"backend": "nccl"}'""", argument=what,
+            )
         if unknown:
             raise ConfigError(
                 f"{what} has unknown keys {unknown}; it takes {sorted(f.name for f in fields(cls))}", argument=what
