@@ -240,6 +240,17 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
                 fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR) if engine is None else None
+    gathers: list[int] = []  # parameters per ZeRO-3 gather the callback makes
+    if mode.startswith("zero3-lora"):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters
+
+        def counted(params: Any, *args: Any, **kwargs: Any) -> Any:
+            gathers.append(len(list(params)) if not isinstance(params, torch.nn.Parameter) else 1)
+            return gathered(params, *args, **kwargs)
+
+        deepspeed.zero.GatheredParameters = counted
     callback = DeltaSyncCallback(url, sync="on_policy", replicas=1, wait_timeout=120,
                                  lora="adapter" if mode.endswith("adapter") else "merged")
     state = transformers.TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
@@ -260,6 +271,8 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
         callback.sync()  # on_policy: rank 0 waits until the replica holds this step's version
         callback.on_log(None, state, None, logs=logs)
     callback.on_train_end(None, state, None)
+    if mode.startswith("zero3-lora"):
+        deepspeed.zero.GatheredParameters = gathered  # the checks below gather everything: not the callback's
     state_dict = {
         "fsdp2": lambda: full_state(model), "zero3": lambda: full_state(engine),
         "zero3-lora": lambda: merged_by_peft(full_state(engine)),
@@ -268,4 +281,7 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
     if rank == 0:
         torch.save(state_dict, os.path.join(out, "final.pt"))  # the test casts to what the replica holds
         history = [[i.version, i.step, i.kind, i.form] for i in callback.history]
-        Path(out, "result.json").write_text(json.dumps({"version": callback.version, "logs": logs, "history": history}))
+        Path(out, "result.json").write_text(json.dumps({
+            "version": callback.version, "logs": logs, "history": history, "gathers": gathers,
+            "parameters": len(list(model.parameters())),
+        }))

@@ -197,6 +197,8 @@ def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str,
         assert torch.equal(held.view(bits), final[name].to(held.dtype).view(bits)), name
     if mode == "zero3-lora-adapter":
         assert result["logs"]["deltasync/adapter_form"] == 1.0
+    if mode == "zero3-lora":  # merged weights: gathered a layer at a time, never the whole model at once
+        assert result["gathers"] and max(result["gathers"]) < result["parameters"], result
     manifest = Manifest.from_bytes(open_store(url).get("manifest.json"))
     expected = {0, 1} if mode in ("fsdp2", "zero3") else {None}  # gathered: rank 0 publishes whole versions
     assert all({r.rank for r in e.objects()} == expected for e in manifest.versions)
@@ -220,3 +222,15 @@ def test_layout_of_a_data_parallel_rank_splits_rows_and_keeps_full_specs() -> No
         covered = sorted(layout.rows[name] for layout in layouts if name in layout.rows)
         assert covered[0][0] == 0 and covered[-1][1] == param.shape[0]
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
+def test_layer_groups_cut_names_by_decoder_layer() -> None:
+    from deltasync.integrations.distributed import layer_groups
+
+    names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.k.weight",
+             "model.layers.1.q.weight", "model.layers.10.q.weight", "model.norm.weight", "lm_head.weight"]
+    assert layer_groups(names) == [
+        ["model.embed_tokens.weight"], ["model.layers.0.q.weight", "model.layers.0.k.weight"],
+        ["model.layers.1.q.weight"], ["model.layers.10.q.weight"], ["model.norm.weight", "lm_head.weight"],
+    ]
+    assert layer_groups(["w", "b"]) == [["w", "b"]]

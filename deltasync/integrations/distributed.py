@@ -6,6 +6,11 @@ lie (:class:`~deltasync.publish.sharded.ShardedPublisher`); FSDP1, and a PEFT mo
 under ZeRO-3 (whose merged weights need whole LoRA factors and base rows), are
 gathered per version (:class:`Gathered`) and published by the main process;
 anything else is published whole by the main process.
+
+A PEFT model's merged weights under ZeRO-3 are gathered one decoder layer at a time and published as a
+stream (:attr:`Gathered.stream`): every rank gathers a layer's parameters, the main process diffs that
+layer's merged tensors, and the layer is let go before the next is gathered, so no rank holds the whole
+model. FSDP1 gathers to rank 0 only (``rank0_only``); its other ranks never hold the whole model.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import Any, NoReturn
 
 from ..publish.sharded import is_zero3
 
-__all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "full_weights", "sharding_of", "unwrapped_names",
-           "zero3_gathered"]
+__all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "full_weights", "layer_groups", "sharding_of",
+           "unwrapped_names", "zero3_gathered"]
 
 
 def sharding_of(model: Any) -> str | None:
@@ -56,6 +61,8 @@ class Gathered:
     """The collective that makes the full weights readable (on the main process at least)."""
     weights: Callable[[], Mapping[str, Any]]
     """What the main process publishes, read inside the gather."""
+    stream: Callable[[], Iterator[tuple[str, Any]]] | None = None
+    """The same weights gathered a layer at a time, on every rank in the same order (``None``: gathered whole)."""
 
 
 def fsdp1_gathered(model: Any) -> Gathered:
@@ -64,16 +71,50 @@ def fsdp1_gathered(model: Any) -> Gathered:
 
 
 def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gathered:
-    """DeepSpeed ZeRO-3 with a PEFT model: every rank gathers every parameter (ZeRO-3 has no gather to one
-    rank; TRL's own vLLM sync of such a model gathers the same), and the main process publishes ``weights()``
-    (the merged weights or the adapter, :func:`deltasync.publish.lora.publishable`) inside."""
+    """DeepSpeed ZeRO-3 with a PEFT model: every rank gathers, and the main process publishes ``weights()`` (the
+    merged weights or the adapter, :func:`deltasync.publish.lora.publishable`). Merged weights are gathered one
+    layer at a time (:attr:`Gathered.stream`); a run that may publish the adapter form compares whole forms, so
+    it gathers every parameter at once (ZeRO-3 has no gather to one rank)."""
 
     def gather() -> contextlib.AbstractContextManager[Any]:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
-    return Gathered(gather, weights)
+    def stream() -> Iterator[tuple[str, Any]]:
+        import deepspeed
+
+        merged = weights()
+        for group in layer_groups(list(merged)):
+            params = list({id(p): p for name in group for p in merged.parameters_of(name)}.values())
+            with deepspeed.zero.GatheredParameters(params):
+                for name in group:
+                    yield name, merged[name]
+
+    return Gathered(gather, weights, stream if _merged(weights) else None)
+
+
+def _merged(weights: Callable[[], Mapping[str, Any]]) -> bool:
+    from ..publish.peft import MergedWeights
+
+    return isinstance(weights(), MergedWeights)
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """``names`` cut into one group per decoder layer (by the first all-digit segment: ``model.layers.3.mlp...``
+    is layer 3 of ``model.layers``), in order of first appearance; names of no layer form a group before the
+    layers and one after them."""
+    before: list[str] = []
+    after: list[str] = []
+    layers: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if at is None:
+            (after if layers else before).append(name)
+        else:
+            layers.setdefault((".".join(parts[:at]), parts[at]), []).append(name)
+    return [g for g in (before, *layers.values(), after) if g]
 
 
 class NotGathered(Mapping[str, Any]):

@@ -165,6 +165,15 @@ class MergedWeights(Mapping[str, torch.Tensor]):
         """Names whose tensors are computed from a LoRA layer (the others are base parameters)."""
         return tuple(n for n, s in self._sources.items() if isinstance(s, _Lora))
 
+    def parameters_of(self, name: str) -> list[torch.nn.Parameter]:
+        """The model's parameters that reading ``name`` reads (a sharded trainer gathers them first)."""
+        source = self._sources[name]
+        if isinstance(source, _Param):
+            return [getattr(source.owner, source.attr)]
+        if isinstance(source, _Saved):
+            return list(source.wrapper.parameters())
+        return list(source.layer.parameters())
+
     def __getitem__(self, name: str) -> torch.Tensor:
         source = self._sources[name]
         if isinstance(source, _Param):

@@ -394,6 +394,15 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if self._gathered is None:
             assert self.publisher is not None
             self.publisher.publish(step, block=block)
+        elif self._gathered.stream is not None:  # a layer at a time, on every rank; the main process publishes
+            stream = self._gathered.stream()
+            if self._state.is_world_process_zero:
+                if self.publisher is None:
+                    self.publisher = Publisher(None, self.store, on_publish=self._collect, **self.publisher_options)
+                self.publisher.publish(step, tensors=stream)
+            else:
+                for _ in stream:  # this rank's part in each layer's gather
+                    pass
         else:
             with self._gathered.gather():
                 if self._state.is_world_process_zero:
