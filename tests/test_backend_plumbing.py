@@ -8,6 +8,7 @@ import importlib.util
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +162,53 @@ class TestPlugin:
         assert answer.status_code == 409 and answer.json()["error"] == {
             "message": "no v9", "type": "VersionError", "code": 409, "param": None}
         assert client.post("/fail").status_code == 500
+
+
+def _ranks_in_step(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of two, exchanging as a tensor-parallel engine's ranks do (see the test below)."""
+    import torch
+    import torch.distributed as dist
+
+    from deltasync.appliers.mapping import IndexMap
+    from deltasync.appliers.vllm.backend import RankReplica
+    from deltasync.protocol.manifest import ObjectRef, Plan, Step
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    outcome: dict[str, Any] = {}
+    try:
+        weights = {"w": torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)}
+        replica = RankReplica(IndexMap.whole(weights), [], dist.new_group(backend="gloo"), verify=0)
+        replica.begin()
+        if rank == 1:
+            replica.fail(errors.StoreError("rank 1 could not reach the store"))
+            outcome["first"] = "failed"
+        else:
+            try:
+                replica.exchange("fetched")
+            except errors.StoreError as exc:
+                outcome["first"] = f"StoreError: {exc}"
+        replica.begin()
+        ref = ObjectRef(f"deltas/{rank}", 8, "0" * 64)
+        try:
+            replica.accept_route(Plan(0, 1, (Step(1, "delta", (ref,)),)))
+        except errors.VersionError as exc:
+            outcome["route"] = str(exc)
+        replica.begin()
+        outcome["agreed"] = replica.exchange(rank)
+    finally:
+        (Path(out) / f"rank-{rank}.json").write_text(json.dumps(outcome))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_the_ranks_of_an_engine_stop_together_and_take_one_route(tmp_path: Any) -> None:
+    """A rank that fails between two exchanges sends its error to the next one, so every rank stops there with
+    it; ranks that planned different routes all refuse them; after either, the ranks are still in step."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ranks_in_step, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["first"] == "StoreError: rank 1 could not reach the store" and ranks[1]["first"] == "failed"
+    assert all("different routes" in r["route"] for r in ranks)
+    assert all(r["agreed"] == [0, 1] for r in ranks)

@@ -111,7 +111,8 @@ def test_unknown_packing_is_refused_then_a_trained_moe_is_followed_exactly(moe_d
 
 
 def test_shared_expert_architecture_followed_exactly(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """Qwen2-MoE: routed experts plus a shared expert and its gate; runtime bytes equal a fresh engine's."""
+    """Qwen2-MoE: routed experts plus a shared expert and its gate, exact after every version (read back through
+    the map; that the packed experts' bytes equal a fresh engine's is the test above's)."""
     from deltasync.demo.models import smollm2_checkpoint
 
     moe_dir = tiny_qwen3_moe(tmp_path_factory.mktemp("moe-shared") / "qwen2-moe", smollm2_checkpoint(),
@@ -119,9 +120,6 @@ def test_shared_expert_architecture_followed_exactly(tmp_path_factory: pytest.Te
     trainer = Trainer(moe_dir, lr=1e-4, seed=4)
     with engine(moe_dir, plain=False) as llm:
         followed = _follow(llm, moe_dir, str(tmp_path / "run"), trainer, steps=2)
-    fresh_dir = save_checkpoint(followed["weights"], moe_dir, tmp_path / "fresh")
-    with engine(fresh_dir, plain=False) as llm:
-        assert followed["digests"] == llm.collective_rpc(runtime_digests)
     assert any("shared_expert" in name for name in followed["weights"])
 
 

@@ -23,6 +23,7 @@ from ..codec import Decoded
 from ..codec.device import DeviceReader
 from ..errors import DeltaSyncError
 from ..format import Header
+from ..protocol.manifest import Plan
 from ..tensors import TensorSpec
 
 __all__ = ["Applier"]
@@ -51,6 +52,10 @@ class Applier(ABC):
     @abstractmethod
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write a version's validated patches; every check has passed before this is called."""
+
+    def accept_route(self, plan: Plan) -> None:
+        """Called with each route before its first download; raise a :class:`DeltaSyncError` to refuse it
+        (nothing of it is then fetched). Accepts every route here."""
 
     def takes_files(self, kind: str) -> bool:
         """Whether this applier takes a version of ``kind`` (``"delta"`` or ``"anchor"``) as whole files, to

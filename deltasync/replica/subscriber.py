@@ -344,6 +344,7 @@ class Subscriber:
                     current=current,
                     latest=manifest.latest,
                 )
+            self.applier.accept_route(plan)
             info = self._execute(manifest, plan)
         for hook in self._hooks:
             try:

@@ -38,6 +38,7 @@ Limitations:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -55,10 +56,18 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...codec import Decoded, get_codec
-from ...errors import CodecError, ConfigError, DeltaSyncError, FingerprintMismatch, LayoutMismatch
+from ...errors import (
+    CodecError,
+    ConfigError,
+    DeltaSyncError,
+    FingerprintMismatch,
+    LayoutMismatch,
+    ObjectNotFound,
+    VersionError,
+)
 from ...format import Header, read_header
 from ...protocol.keys import MANIFEST_KEY
-from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest
+from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest, Plan
 from ...replica.applier import Applier
 from ...replica.cache import open_cached
 from ...replica.subscriber import Subscriber, UpdateInfo
@@ -143,6 +152,12 @@ class RankReplica(Applier):
     """One engine rank as a :class:`~deltasync.replica.subscriber.Subscriber` sees it: it takes every version's
     files whole, decodes them here and writes only what this rank holds, in step with the engine's other ranks.
 
+    The ranks of a tensor-parallel engine keep in step by exchanges over the engine's tensor-parallel group,
+    the same sequence on every rank: the version to reach, the route to it, then per version on the route
+    that its files arrived, the bases of its changed elements (deltas), that it decoded, that it was written.
+    A rank that fails between two exchanges sends its error at the next one instead, so every rank stops
+    there together, and none writes what another refused.
+
     Args:
         index (`IndexMap`): this rank's proven map.
         specs (`list[TensorSpec]`): the checkpoint tensors the engine serves.
@@ -157,14 +172,47 @@ class RankReplica(Applier):
         self.fingerprint = fingerprint(specs)
         self.group = group
         self.verify = verify
-        self.voted = False  # this update's vote is behind us (the rank need not vote again when it unwinds)
+        self.pending = False  # the other ranks expect this rank's next exchange
+        self._steps_left = 0
         self.last_apply: dict[str, float] = {}
 
-    @property
-    def ranks(self) -> int:
+    # ------------------------------------------------------------------ keeping the ranks in step
+
+    def begin(self) -> None:
+        """An update starts: the ranks' first exchange is ahead."""
+        self.pending = self.group is not None
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order; raises the first rank's error when some rank sent one."""
+        answers = self._gather({"ok": value})
+        return self._settled(answers)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank failed between two exchanges: send its error where the others wait, so all stop there."""
+        if not self.pending:
+            return
+        payload = refusal_to_json(error) if isinstance(error, DeltaSyncError) else {
+            "type": "DeltaSyncError", "message": f"a rank of the engine failed: {type(error).__name__}: {error}"}
+        self._gather({"error": payload})
+        self.pending = False
+
+    def _settled(self, answers: list[Any]) -> list[Any]:
+        errors = [a["error"] for a in answers if "error" in a]
+        if errors:
+            self.pending = False
+            raise refusal_from_json(errors[0])
+        return [a["ok"] for a in answers]
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
         import torch.distributed as dist
 
-        return 1 if self.group is None else dist.get_world_size(self.group)
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ the applier protocol
 
     def validate(self, header: Header) -> None:
         check_header(header, self.specs, self.fingerprint, holder="vLLM engine")
@@ -178,11 +226,20 @@ class RankReplica(Applier):
     def takes_files(self, kind: str) -> bool:
         return True
 
+    def accept_route(self, plan: Plan) -> None:
+        """The ranks take the same route, or none of them does."""
+        route = [(step.version, step.kind, [o.key for o in step.objects]) for step in plan.steps]
+        if len({json.dumps(r) for r in self.exchange(route)}) > 1:
+            self.pending = False
+            raise VersionError("the ranks of the engine planned different routes (a manifest changed between their "
+                               "reads, or a rank avoids an object the others use); the next update plans again",
+                               current=plan.start, latest=plan.target)
+        self._steps_left = len(plan.steps)
+
     def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
         """Decode and check one version's files on every rank of the engine; write only if every rank agrees."""
         started = time.perf_counter()
-        if not self.agree(None):  # another rank failed to fetch or check this version: nobody writes it
-            return DeltaSyncError("another rank of the engine could not fetch or check this version")
+        self.exchange("fetched")  # every rank has this version's files, checked
         refused: DeltaSyncError | None = None
         patches: list[Patch] = []
         try:
@@ -190,44 +247,42 @@ class RankReplica(Applier):
         except DeltaSyncError as exc:
             refused = exc
         decoded_at = time.perf_counter()
-        outcome = self._gather(refusal_to_json(refused) if refused is not None else None)
+        outcome = self.exchange(None if refused is None else refusal_to_json(refused))
         first = next((o for o in outcome if o is not None), None)
-        self.voted = True
         if first is not None:  # refused before any rank wrote anything: the engine holds what it held
+            self.pending = False
             return refused if refused is not None else refusal_from_json(first)
-        with torch.no_grad():
-            written, touched = write_patches(self.index, patches)
-            repack_touched(touched)
-            verify_at = time.perf_counter()
-            checked, wrong = check_written(self.index, patches, samples=self.verify, seed=len(patches))
-        if wrong:
-            lines = [f"{w['tensor']} in {w['param']}: {w['wrong']} of {w['read']} read back wrong" for w in wrong]
-            raise LayoutMismatch(
-                f"patches read back wrong right after they were written, so the engine is not exact; restart it: "
-                f"{'; '.join(lines[:5])}",
-                name=str(wrong[0]["param"]),
-            )
+        failure: BaseException | None = None
+        checked = written = 0
+        try:
+            with torch.no_grad():
+                written, touched = write_patches(self.index, patches)
+                repack_touched(touched)
+                verify_at = time.perf_counter()
+                checked, wrong = check_written(self.index, patches, samples=self.verify, seed=len(patches))
+            if wrong:
+                lines = [f"{w['tensor']} in {w['param']}: {w['wrong']} of {w['read']} read back wrong" for w in wrong]
+                failure = LayoutMismatch(
+                    f"patches read back wrong right after they were written, so the engine is not exact; restart "
+                    f"it: {'; '.join(lines[:5])}", name=str(wrong[0]["param"]),
+                )
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
+            failure = exc
+        self._steps_left -= 1
+        written_by = self.exchange(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if self._steps_left <= 0:
+            self.pending = False  # the route's last exchange: nothing more is expected of this rank
+        if failure is not None:
+            raise failure
+        others = [w for w in written_by if w is not None]
+        if others:  # this rank wrote, another did not: the engine is between versions, and knows it
+            raise LayoutMismatch(f"another rank of the engine failed to write this version ({others[0]}); the engine "
+                                 "holds no version now, and its next update starts from an anchor", name="engine")
         self.last_apply = {
             "decode_ms": 1e3 * (decoded_at - started), "write_ms": 1e3 * (verify_at - decoded_at),
             "verify_ms": 1e3 * (time.perf_counter() - verify_at), "written": float(written), "verified": float(checked),
         }
         return None
-
-    def agree(self, error: DeltaSyncError | None) -> bool:
-        """Every rank says whether it reached this version's apply unharmed; ``True`` when all did."""
-        answers = self._gather(None if error is None else refusal_to_json(error))
-        return all(a is None for a in answers)
-
-    # ------------------------------------------------------------------ internals
-
-    def _gather(self, value: Any) -> list[Any]:
-        if self.group is None:
-            return [value]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
 
     def _decode(self, kind: str, blobs: list[bytes | memoryview]) -> list[Patch]:
         if kind == "anchor" or self.group is None:  # whole tensors, or a rank that holds every element
@@ -247,7 +302,7 @@ class RankReplica(Applier):
                     )
         wanted = indices_of(headers, blobs)
         mine = read_bits(self.index, {n: {"idx": np.concatenate(p)} for n, p in wanted.items()})
-        answers = self._gather(mine)
+        answers = self.exchange(mine)
         bases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         for name, pieces in wanted.items():
             merged = merge_bits(self.index.specs[name], sum(p.size for p in pieces), (a.get(name) for a in answers),
@@ -303,19 +358,31 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 "the deltasync backend is not initialised: call /init_weight_transfer_engine with the store first",
                 argument="init_info"))
         replica = self.replica
-        replica.voted = False
+        replica.begin()
         try:
-            self.last_update = self.subscriber.update(version=update_info.version)
-        except DeltaSyncError as exc:
-            if not replica.voted:  # the other ranks wait for this rank's word before they write: give it
-                replica.agree(exc)
-            raise _marked(exc) from exc
-        except BaseException:
-            if not replica.voted:
-                replica.agree(DeltaSyncError("a rank failed"))
+            target = self._agreed_target(update_info.version)
+            if target is not None or replica.group is None:
+                self.last_update = self.subscriber.update(version=target)
+        except BaseException as exc:
+            replica.fail(exc)  # the other ranks wait for this rank's word: they stop with it
+            if isinstance(exc, DeltaSyncError):
+                raise _marked(exc) from exc
             raise
         if self.last_update is not None:
             self._written = True
+
+    def _agreed_target(self, version: int | None) -> int | None:
+        """The version every rank goes to: ``version``, or the newest all of them saw (``None``: none published)."""
+        replica = self.replica
+        assert replica is not None and self.subscriber is not None
+        if version is not None or replica.group is None:
+            return version
+        try:
+            latest = Manifest.from_bytes(self.subscriber.store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES)).latest
+        except ObjectNotFound:
+            latest = None
+        seen = replica.exchange(latest)
+        return None if None in seen else min(seen)
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: every write was read back in :meth:`receive_weights`."""
@@ -343,6 +410,39 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _init(self, info: DeltaSyncInitInfo) -> None:
         started = time.perf_counter()
         group, rank = _tp_group(self.parallel_config)
+        # Each rank maps and proves its own weights, then the ranks compare notes: a rank that failed stops all.
+        found: tuple[IndexMap, list[TensorSpec], Any] | None = None
+        error: DeltaSyncError | None = None
+        try:
+            found = self._map_and_prove(info)
+        except DeltaSyncError as exc:
+            error = exc
+        replica = RankReplica(found[0] if found else IndexMap([]), found[1] if found else [], group,
+                              verify=info.verify)
+        replica.begin()
+        if found is None:
+            assert error is not None
+            replica.fail(error)
+            raise error
+        index, specs, store = found
+        owned = replica.exchange(index.owned())
+        missing = uncovered_elements(replica.specs, owned)
+        if missing:
+            raise LayoutMismatch(f"checkpoint elements no rank of the engine holds: {', '.join(missing[:5])}",
+                                 name=missing[0])
+        replica_id = info.replica_id or f"{socket.gethostname()}-vllm-{os.getpid()}"
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.subscriber = Subscriber(
+            store, replica, replica_id=f"{replica_id}-r{rank}", ack=rank == 0, start_version=info.start_version,
+            run_id=info.run_id,
+        )
+        self.replica = replica
+        logger.info("deltasync: rank %d follows %s (%d tensors mapped and proven in %.1f s)", rank, store.url,
+                    len(specs), time.perf_counter() - started)
+
+    def _map_and_prove(self, info: DeltaSyncInitInfo) -> tuple[IndexMap, list[TensorSpec], Any]:
+        """This rank's map of the checkpoint's tensors, proven against what the engine loaded, and the store."""
         checkpoint = info.checkpoint or str(self.model_config.model)
         if not os.path.isdir(checkpoint):
             raise ConfigError(
@@ -363,23 +463,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     f"{len(proof.failed)} parameters of this engine do not read back as the checkpoint it loaded, "
                     f"so they cannot be patched exactly: {name} ({why})", name=name,
                 )
-        replica = RankReplica(index, specs, group, verify=info.verify)
-        missing = uncovered_elements(replica.specs, replica._gather(index.owned()))
-        if missing:
-            raise LayoutMismatch(f"checkpoint elements no rank of the engine holds: {', '.join(missing[:5])}",
-                                 name=missing[0])
         store = open_cached(info.store, info.cache_dir, **info.store_options)
-        _refuse_another_model(store, replica.fingerprint)
-        replica_id = info.replica_id or f"{socket.gethostname()}-vllm-{os.getpid()}"
-        if self.subscriber is not None:
-            self.subscriber.close()
-        self.subscriber = Subscriber(
-            store, replica, replica_id=f"{replica_id}-r{rank}", ack=rank == 0, start_version=info.start_version,
-            run_id=info.run_id,
-        )
-        self.replica = replica
-        logger.info("deltasync: rank %d follows %s (%d tensors mapped and proven in %.1f s)", rank, store.url,
-                    len(specs), time.perf_counter() - started)
+        _refuse_another_model(store, fingerprint(specs))
+        return index, specs, store
 
 
 def _parsed(cls: type[Any], raw: Any, what: str) -> Any:
