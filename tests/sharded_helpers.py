@@ -227,10 +227,22 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
 
     model = make_model(seed=0)
     engine = None
-    if mode == "fsdp1":
+    gathers: list[int] = []  # parameters per ZeRO-3 gather the callback makes (LoRA)
+    summons: list[bool] = []  # per FSDP1 gather the callback makes: whether it gathered nested units too
+    if mode == "fsdp1":  # each Linear its own unit, the LayerNorm in the root's, as a wrap policy would
         from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                         auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+        summon = FullyShardedDataParallel.summon_full_params
+
+        def counted_summon(module: Any, *args: Any, **kwargs: Any) -> Any:
+            summons.append(bool(kwargs.get("recurse", True)) and any(
+                isinstance(m, FullyShardedDataParallel) for m in list(module.modules())[1:]))
+            return summon(module, *args, **kwargs)
+
+        FullyShardedDataParallel.summon_full_params = counted_summon
     elif mode.startswith("zero3"):
         engine, _ = _zero3_engine(lora(model) if mode.startswith("zero3-lora") else model, rank)
         model = engine.module  # what the HF Trainer hands its callbacks under DeepSpeed
@@ -240,7 +252,6 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
                 fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR) if engine is None else None
-    gathers: list[int] = []  # parameters per ZeRO-3 gather the callback makes
     if mode.startswith("zero3-lora"):
         import deepspeed
 
@@ -273,6 +284,8 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
     callback.on_train_end(None, state, None)
     if mode.startswith("zero3-lora"):
         deepspeed.zero.GatheredParameters = gathered  # the checks below gather everything: not the callback's
+    if mode == "fsdp1":
+        FullyShardedDataParallel.summon_full_params = summon
     state_dict = {
         "fsdp2": lambda: full_state(model), "zero3": lambda: full_state(engine),
         "zero3-lora": lambda: merged_by_peft(full_state(engine)),
@@ -282,6 +295,6 @@ def _callback_rank(rank: int, world: int, steps: int, url: str, out: str, mode: 
         torch.save(state_dict, os.path.join(out, "final.pt"))  # the test casts to what the replica holds
         history = [[i.version, i.step, i.kind, i.form] for i in callback.history]
         Path(out, "result.json").write_text(json.dumps({
-            "version": callback.version, "logs": logs, "history": history, "gathers": gathers,
+            "version": callback.version, "logs": logs, "history": history, "gathers": gathers, "summons": summons,
             "parameters": len(list(model.parameters())),
         }))

@@ -155,8 +155,9 @@ def test_a_failed_shard_fails_the_version_on_every_rank_and_the_next_covers_it(s
         reason="deepspeed and peft are not installed")) for mode in ("zero3", "zero3-lora", "zero3-lora-adapter")]],
 )
 def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str, tmp_path: Path) -> None:
-    """DeltaSyncCallback's hooks on 2 sharded ranks: FSDP2 and ZeRO-3 publish a shard per rank, FSDP1
-    and a LoRA model under ZeRO-3 gather (every rank takes part) and rank 0 publishes; rank 0 waits for
+    """DeltaSyncCallback's hooks on 2 sharded ranks: FSDP2 and ZeRO-3 publish a shard per rank, FSDP1 (a unit
+    at a time) and a LoRA model under ZeRO-3 (a layer at a time) gather (every rank takes part) and rank 0
+    publishes; rank 0 waits for
     the replica; the replica ends bit-exact (a LoRA run: with PEFT's merge_and_unload of the final model,
     or with the adapter's own bits when it publishes the adapter)."""
     url = str(tmp_path / "store")
@@ -199,6 +200,8 @@ def test_trainer_callback_on_fsdp_ranks_publishes_and_waits_on_policy(mode: str,
         assert result["logs"]["deltasync/adapter_form"] == 1.0
     if mode == "zero3-lora":  # merged weights: gathered a layer at a time, never the whole model at once
         assert result["gathers"] and max(result["gathers"]) < result["parameters"], result
+    if mode == "fsdp1":  # one FSDP unit at a time (3 per version), never with its nested units
+        assert len(result["summons"]) == 3 * (STEPS + 1) and not any(result["summons"]), result["summons"]
     manifest = Manifest.from_bytes(open_store(url).get("manifest.json"))
     expected = {0, 1} if mode in ("fsdp2", "zero3") else {None}  # gathered: rank 0 publishes whole versions
     assert all({r.rank for r in e.objects()} == expected for e in manifest.versions)

@@ -6,15 +6,15 @@ of deltasync's, with ``weight_transfer=DeltaSyncTransfer(store, server=url)``: t
 ``examples/async_grpo.py`` (:func:`make_trainer`), so the example runs as users run it. The test proves that
 
 - training finishes and the store holds one version per sync, the anchor first;
-- the server ends with the trainer's final bf16 weights: its ``/weight_checker`` checksums and its greedy
-  tokens equal those of a fresh backend server loaded from those weights, its ``/weight_info`` label names
-  the last version of this run, and the store's last version is those weights bit for bit (on the CPU
-  platform vLLM packs the Linear weights out of its parameters, so the checksums cover the embeddings and
-  norms, and the Linear weights show in the tokens and in the bits of the version the server applied);
+- the server ends with the trainer's final bf16 weights: its ``/weight_info`` label names the last version of
+  this run, the store's last version is those weights bit for bit, and the server's ``/weight_checker``
+  checksums of the parameters it keeps under a checkpoint tensor's name equal SHA-256 of those weights'
+  bytes (on the CPU platform vLLM packs the Linear weights out of its parameters; the backend reads them
+  back after each write);
 - the trainer's logs carry the ``deltasync/*`` figures of each sync, and so do the logs a reporting
   integration placed ahead of the trainer's own callbacks is given.
 
-About 130 s on 2 CPU cores (both servers' start included), more when the cores are shared.
+About 90 s on 2 CPU cores (the server's start included), more when the cores are shared.
 
 The trainer runs in this one process (plus the rollout worker TRL spawns), without accelerate's launcher:
 one process is what a CPU machine runs, and TRL calls ``send_weights`` on the main process only. What
@@ -44,7 +44,7 @@ from deltasync.protocol.manifest import Manifest
 from deltasync.stores import open_store
 from deltasync.tensors import published_tensors
 
-from .vllm_helpers import PROMPTS, VLLM_TESTS, save_checkpoint
+from .vllm_helpers import PROMPTS, VLLM_TESTS, assert_checksums_hold
 
 
 def _has_async_grpo() -> bool:
@@ -132,11 +132,10 @@ def test_async_grpo_trainer_follows_the_run_through_the_backend(
         subscriber.update()
     assert all(torch.equal(replica[n].view(torch.int16), t.view(torch.int16)) for n, t in final.items())
 
-    # The server that followed the run equals a fresh backend server loaded from those weights.
-    reference = save_checkpoint(final, model, tmp_path / "reference")
-    with backend_server(reference, tmp_path / "reference.log") as fresh:
-        assert checksums and _checksums(fresh) == checksums
-        assert _greedy(fresh, reference) == served
+    # The server holds them: every parameter it keeps under a checkpoint tensor's name has those bytes (the Linear
+    # weights, packed for the CPU kernels, are read back by the backend after each write; tests/test_vllm_backend.py
+    # compares a followed engine's packed bytes with a fresh engine's).
+    assert assert_checksums_hold(checksums, final) >= 2 and all(len(tokens) == 8 for tokens in served)
 
     # Each sync's figures reached the trainer's logs.
     logged = [h for h in trainer.state.log_history if "deltasync/bytes" in h]

@@ -378,3 +378,20 @@ def assert_backend_exact(llm: Any, weights: dict[str, torch.Tensor]) -> None:
     assert set(found) == set(weights), sorted(set(weights) ^ set(found))[:5]
     wrong = {n: c for n, c in found.items() if c["wrong"] or c["missing"]}
     assert not wrong, f"{len(wrong)} tensors differ or are not held: {dict(list(wrong.items())[:5])}"
+
+
+def assert_checksums_hold(checksums: dict[str, str], weights: dict[str, torch.Tensor]) -> int:
+    """The server's ``/weight_checker`` checksums of the parameters it keeps as the checkpoint holds them
+    (embeddings and norms under their own names; the CPU build repacks a linear layer's weight for its kernels,
+    even one it does not fuse) equal SHA-256 of ``weights``' bytes; returns how many were compared."""
+    import hashlib
+
+    compared = 0
+    for key, digest in checksums.items():
+        name = key.rsplit(":", 1)[-1]
+        if name in weights and (weights[name].dim() == 1 or "embed" in name):
+            data = weights[name].detach().contiguous().view(-1).view(torch.uint8).numpy()
+            assert hashlib.sha256(data).hexdigest() == digest, name
+            compared += 1
+    assert compared, "no parameter of the server carries a checkpoint tensor's name"
+    return compared

@@ -10,7 +10,9 @@ anything else is published whole by the main process.
 A PEFT model's merged weights under ZeRO-3 are gathered one decoder layer at a time and published as a
 stream (:attr:`Gathered.stream`): every rank gathers a layer's parameters, the main process diffs that
 layer's merged tensors, and the layer is let go before the next is gathered, so no rank holds the whole
-model. FSDP1 gathers to rank 0 only (``rank0_only``); its other ranks never hold the whole model.
+model. FSDP1 gathers to rank 0 only (``rank0_only``), one FSDP unit at a time, published as a stream the same
+way: rank 0 holds one unit's full parameters at once (a decoder layer, under the usual wrap policy), and its
+other ranks never hold more than their shards.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Any, NoReturn
 
 from ..publish.sharded import is_zero3
 
-__all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "full_weights", "layer_groups", "sharding_of",
-           "unwrapped_names", "zero3_gathered"]
+__all__ = ["Gathered", "NotGathered", "fsdp1_gathered", "fsdp1_units", "full_weights", "layer_groups",
+           "sharding_of", "unwrapped_names", "zero3_gathered"]
 
 
 def sharding_of(model: Any) -> str | None:
@@ -44,12 +46,7 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 
 def unwrapped_names(model: Any) -> dict[str, Any]:
     """The parameters under their checkpoint names (wrapper segments removed), as FSDP1 shows them gathered."""
-    out = {}
-    for name, param in model.named_parameters():
-        for segment in _WRAPPER_SEGMENTS:
-            name = name.replace(segment, "")
-        out[name] = param
-    return out
+    return {_unwrapped(name): param for name, param in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -66,8 +63,41 @@ class Gathered:
 
 
 def fsdp1_gathered(model: Any) -> Gathered:
-    """FSDP1: every rank gathers to rank 0, which publishes the parameters under their checkpoint names."""
-    return Gathered(lambda: full_weights(model), lambda: unwrapped_names(model))
+    """FSDP1: every rank gathers to rank 0, which publishes the parameters under their checkpoint names, one FSDP
+    unit at a time (:func:`fsdp1_units`): rank 0 holds one unit's full parameters at once, never the model's."""
+    return Gathered(lambda: full_weights(model), lambda: unwrapped_names(model), lambda: fsdp1_units(model))
+
+
+def fsdp1_units(model: Any) -> Iterator[tuple[str, Any]]:
+    """FSDP1's parameters under their checkpoint names, gathered to rank 0 one FSDP unit at a time (its own
+    parameters, not those of the units nested in it), on every rank in the same order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    names = {id(module): name for name, module in model.named_modules()}
+    offload = any(p.device.type != "cpu" for p in model.parameters())  # as in full_weights
+    for unit in FSDP.fsdp_modules(model):
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True, offload_to_cpu=offload):
+            for module in _own_modules(unit, FSDP):
+                prefix = names[id(module)]
+                for local, param in module.named_parameters(recurse=False):
+                    if local == "_flat_param" or local.endswith("._flat_param"):
+                        continue  # a unit gathered with nothing unflattened (none of its own parameters)
+                    yield _unwrapped(f"{prefix}.{local}" if prefix else local), param
+
+
+def _own_modules(unit: Any, fsdp: type) -> Iterator[Any]:
+    """``unit`` and the modules under it that no nested FSDP unit wraps."""
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield module
+        stack.extend(reversed([c for c in module.children() if not isinstance(c, fsdp)]))
+
+
+def _unwrapped(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
 
 
 def zero3_gathered(model: Any, weights: Callable[[], Mapping[str, Any]]) -> Gathered:

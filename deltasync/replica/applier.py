@@ -4,7 +4,8 @@ A subscriber validates each file against the applier (:meth:`Applier.validate`),
 bits the applier holds now (:meth:`Applier.lookup`), and hands it the validated patches
 (:meth:`Applier.apply`). Two optional capabilities have default answers here, so a subscriber asks
 instead of probing: an applier may decode whole files where its weights live (:meth:`Applier.takes_files`,
-:meth:`Applier.apply_files`: a vLLM engine of one rank), and may ask for ``compact`` patches rebuilt on
+:meth:`Applier.apply_files`: a vLLM engine's ranks), range-read parts of them too (:meth:`Applier.takes_ranges`:
+an expert-parallel rank), and may ask for ``compact`` patches rebuilt on
 its weights' accelerator (:attr:`Applier.on_device`).
 
 The appliers deltasync ships (:class:`~deltasync.appliers.TorchModuleApplier`,
@@ -25,6 +26,7 @@ from ..errors import DeltaSyncError
 from ..format import Header
 from ..protocol.manifest import Plan
 from ..tensors import TensorSpec
+from .ranged import Fetched
 
 __all__ = ["Applier"]
 
@@ -62,8 +64,15 @@ class Applier(ABC):
         decode where its weights live (:meth:`apply_files`); ``False`` here: the subscriber decodes."""
         return False
 
-    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
-        """Decode a version's files where the weights live, check everything, then write.
+    def takes_ranges(self) -> bool:
+        """Whether :meth:`apply_files` also takes the range-read tensors of a file
+        (:class:`~deltasync.replica.ranged.Fetched`, a subscriber's ``only=``); ``False`` here: the subscriber
+        decodes those."""
+        return False
+
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview | Fetched]) -> DeltaSyncError | None:
+        """Decode a version's files (or, where :meth:`takes_ranges`, their range-read tensors) where the
+        weights live, check everything, then write.
 
         Returns:
             The error that refused the files before anything was written, or ``None`` once applied.

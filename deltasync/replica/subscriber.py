@@ -34,7 +34,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from torch.profiler import record_function
 
@@ -428,7 +428,8 @@ class Subscriber:
                 t0 = time.perf_counter()
                 with record_function("deltasync.decode"):
                     headers = self._fetcher.check(step, blobs, previous_version=self._held(manifest))
-                    whole = not any(isinstance(b, Fetched) for b in blobs) and self.applier.takes_files(step.kind)
+                    whole = self.applier.takes_files(step.kind) and (
+                        self.applier.takes_ranges() or not any(isinstance(b, Fetched) for b in blobs))
                     decoded = None if whole else (
                         self._fetcher.decode_checked(step, blobs, headers))
                     # Freed inside the pause: a dozen small objects a tensor that, alive when it ends, the
@@ -439,8 +440,7 @@ class Subscriber:
                 try:
                     with record_function("deltasync.apply"):
                         if decoded is None:
-                            files = cast(list[bytes | memoryview], blobs)  # whole files, not ranges
-                            refused = self.applier.apply_files(step.kind, files)
+                            refused = self.applier.apply_files(step.kind, blobs)
                         else:
                             self.applier.apply(decoded)
                 except BaseException:

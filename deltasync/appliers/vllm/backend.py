@@ -18,7 +18,8 @@ Round trip:
   checks every size, digest and header, decodes against its own weights (a tensor-parallel engine's ranks
   exchange the bases of the changed elements, so every rank checks every value digest), and only when
   every rank of the engine found everything in order does any of them write, in place, O(changed
-  elements), reading the written elements back.
+  elements), reading the written elements back. An expert-parallel rank reads only the tensors it holds
+  (its experts, its slices of the rest), by range where the manifest lists the objects' header hashes.
 - ``start_weight_update`` and ``finish_weight_update`` are no-ops (in-place engines need none);
   ``finish_weight_update(weight_version)`` labels the served version, which ``/weight_info`` reports.
 
@@ -70,6 +71,7 @@ from ...protocol.keys import MANIFEST_KEY
 from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest, Plan
 from ...replica.applier import Applier
 from ...replica.cache import open_cached
+from ...replica.ranged import Fetched
 from ...replica.subscriber import Subscriber, UpdateInfo
 from ...tensors import TensorSpec, fingerprint
 from ..apply import Patch, check_header, merge_bits, read_bits, write_patches
@@ -226,6 +228,11 @@ class RankReplica(Applier):
     def takes_files(self, kind: str) -> bool:
         return True
 
+    def takes_ranges(self) -> bool:
+        """An expert-parallel rank reads only the tensors it holds (the subscriber's ``only=``) and decodes
+        those here."""
+        return True
+
     def accept_route(self, plan: Plan) -> None:
         """The ranks take the same route, or none of them does."""
         route = [(step.version, step.kind, [o.key for o in step.objects]) for step in plan.steps]
@@ -236,8 +243,9 @@ class RankReplica(Applier):
                                current=plan.start, latest=plan.target)
         self._steps_left = len(plan.steps)
 
-    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
-        """Decode and check one version's files on every rank of the engine; write only if every rank agrees."""
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview | Fetched]) -> DeltaSyncError | None:
+        """Decode and check one version's files (or this rank's tensors of them) on every rank of the engine;
+        write only if every rank agrees."""
         started = time.perf_counter()
         self.exchange("fetched")  # every rank has this version's files, checked
         refused: DeltaSyncError | None = None
@@ -284,16 +292,18 @@ class RankReplica(Applier):
         }
         return None
 
-    def _decode(self, kind: str, blobs: list[bytes | memoryview]) -> list[Patch]:
+    def _decode(self, kind: str, blobs: list[bytes | memoryview | Fetched]) -> list[Patch]:
         if kind == "anchor" or self.group is None:  # whole tensors, or a rank that holds every element
             return decode_here(self.index, blobs, whole=kind == "anchor")
         return decode_here(self.index, blobs, whole=False, lookup=self._gathered_bases(blobs), on_device=False)
 
-    def _gathered_bases(self, blobs: list[bytes | memoryview]) -> Callable[[str, np.ndarray], np.ndarray]:
-        """Every rank's bits at every changed element of the files, exchanged once: ``lookup(name, indices)``."""
-        headers = [read_header(b) for b in blobs]
-        for header in headers:
-            for name, entry in header.tensors.items():
+    def _gathered_bases(self, blobs: list[bytes | memoryview | Fetched]) -> Callable[[str, np.ndarray], np.ndarray]:
+        """Every rank's bits at every changed element of the files, exchanged once: ``lookup(name, indices)``.
+        Ranks that read different tensors (expert parallel) each ask for theirs; the holders answer."""
+        headers = [b.header if isinstance(b, Fetched) else read_header(b) for b in blobs]
+        for header, blob in zip(headers, blobs):
+            for name in blob.names if isinstance(blob, Fetched) else header.tensors:
+                entry = header.tensors[name]
                 if entry.codec not in _BASE_AT_CHANGES or get_codec(entry.codec) is None:
                     raise CodecError(
                         f"{name}: codec {entry.codec!r} reads whole tensors of the base, which a rank of a "
@@ -331,6 +341,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.replica: RankReplica | None = None
         self.subscriber: Subscriber | None = None
         self.last_update: UpdateInfo | None = None
+        self.reads: frozenset[str] | None = None
+        """The checkpoint tensors this rank reads of each version (an expert-parallel rank's share, by range);
+        ``None``: every tensor (it holds some of each)."""
         self._written = False
 
     # ------------------------------------------------------------------ vLLM's round trip
@@ -433,9 +446,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         replica_id = info.replica_id or f"{socket.gethostname()}-vllm-{os.getpid()}"
         if self.subscriber is not None:
             self.subscriber.close()
+        held = frozenset(name for name, count in index.counts().items() if count)
+        self.reads = held if held != set(replica.specs) else None
         self.subscriber = Subscriber(
             store, replica, replica_id=f"{replica_id}-r{rank}", ack=rank == 0, start_version=info.start_version,
-            run_id=info.run_id,
+            run_id=info.run_id, only=self.reads,
         )
         self.replica = replica
         logger.info("deltasync: rank %d follows %s (%d tensors mapped and proven in %.1f s)", rank, store.url,

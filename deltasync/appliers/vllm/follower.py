@@ -74,6 +74,7 @@ from ...codec import Decoded
 from ...errors import ConfigError, DeltaSyncError, LayoutMismatch, TensorMismatch
 from ...format import Header
 from ...replica.applier import Applier
+from ...replica.ranged import Fetched
 from ...stores import Store, open_store
 from ...tensors import fingerprint
 from ...util.checks import check_int
@@ -297,18 +298,22 @@ class VLLMFollower(Applier):
         one = len(self.ranks) == 1 and bool(self.ranks[0].get("decodes_files"))
         return self.decode_in_worker and kind == "delta" and one and self.adapter is None
 
-    def apply_files(self, kind: str, blobs: list[bytes | memoryview]) -> DeltaSyncError | None:
-        """Send one version's validated files to the rank that decodes and writes them (:meth:`takes_files`).
+    def apply_files(self, kind: str, blobs: list[bytes | memoryview | Fetched]) -> DeltaSyncError | None:
+        """Send one version's validated files to the rank that decodes and writes them (:meth:`takes_files`;
+        whole files only: the follower takes no range reads).
 
         Returns the typed error that rank refused them with before writing anything, else ``None``."""
+        files = [b for b in blobs if not isinstance(b, Fetched)]
+        if len(files) != len(blobs):
+            raise TypeError("VLLMFollower.apply_files takes whole files (its takes_ranges is False)")
         version = self._pending
         self._step, self._bases, self._prefetched = [], {}, False
         if kind == "anchor":
-            with self._drop.files(blobs) as refs:
+            with self._drop.files(files) as refs:
                 return self._on_ranks([("deltasync_apply_files", (refs, kind, version, self.verify))], version, {})
         text = self._engine.text
-        files = [base64.b64encode(b).decode("ascii") if text else bytes(b) for b in blobs]
-        return self._on_ranks([("deltasync_apply_files", (files, kind, version, self.verify))], version, {})
+        sent = [base64.b64encode(b).decode("ascii") if text else bytes(b) for b in files]
+        return self._on_ranks([("deltasync_apply_files", (sent, kind, version, self.verify))], version, {})
 
     def _on_ranks(
         self, calls: list[tuple[str, tuple[Any, ...]]], version: int | None, factors: Mapping[str, Decoded]

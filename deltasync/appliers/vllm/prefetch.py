@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from ...codec import get_codec
 from ...codec.compact import CompactCodec, decode_indices
 from ...errors import DeltaSyncError
 from ...format import Header, file_entries, read_header
+from ...replica.ranged import Fetched
 from ...stores import Store
 from ...stores.wrap import DelegatingStore
 
@@ -98,16 +99,21 @@ def changed_indices(headers: Iterable[Header], tapped: TapBuffer) -> dict[str, l
     return indices_of([h for h, _ in found], [b for _, b in found])
 
 
-def indices_of(headers: Sequence[Header], blobs: Sequence[bytes | memoryview]) -> dict[str, list[np.ndarray]]:
-    """:func:`changed_indices` of files in hand: ``blobs[k]`` is the file whose header is ``headers[k]``."""
+def indices_of(
+    headers: Sequence[Header], blobs: Sequence[bytes | memoryview | Fetched]
+) -> dict[str, list[np.ndarray]]:
+    """:func:`changed_indices` of files in hand: ``blobs[k]`` is the file whose header is ``headers[k]``, or the
+    tensors range-read from it (those alone)."""
     pieces: dict[str, list[np.ndarray]] = {}
     for header, blob in zip(headers, blobs):
         entries: dict[str, Any] | None = None
-        for name, entry in header.tensors.items():
+        names = blob.names if isinstance(blob, Fetched) else header.tensors
+        for name in names:
+            entry = header.tensors[name]
             if type(get_codec(entry.codec)) is not CompactCodec:  # its index stream holds the positions read
                 continue
             if entries is None:
-                entries = _load_entries(blob) or {}
+                entries = _load_entries(blob.entries if isinstance(blob, Fetched) else blob) or {}
             part = entries.get(f"{name}::idx")
             if part is None:
                 continue
@@ -122,9 +128,11 @@ def indices_of(headers: Sequence[Header], blobs: Sequence[bytes | memoryview]) -
     return pieces
 
 
-def _load_entries(blob: bytes | memoryview) -> dict[str, np.ndarray] | None:
-    """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it)."""
+def _load_entries(blob: bytes | memoryview | Mapping[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
+    """The file's uint8 entries (index blobs), or ``None`` if unreadable (the real decode reports it); ``blob``
+    may be entries already read (a range read's)."""
     try:
-        return {k: v.numpy() for k, v in file_entries(blob).items() if v.dtype == torch.uint8}
+        found = blob if isinstance(blob, Mapping) else file_entries(blob)
+        return {k: v.numpy() for k, v in found.items() if v.dtype == torch.uint8}
     except Exception:
         return None

@@ -38,8 +38,9 @@ from ... import errors
 from ...codec import Decoded
 from ...codec.base import FlatLookup
 from ...errors import DeltaSyncError, IntegrityError, TensorMismatch
-from ...format import combine, decode, encode_delta
+from ...format import combine, decode, decode_entries, encode_delta
 from ...publish.diff import Snapshot, diff
+from ...replica.ranged import Fetched
 from ...tensors import bits_dtype, bits_view, host_ints, stage
 from ...util.collector import collector_paused
 from ..apply import SHIFT_TOGETHER, Patch, gather_pieces, merge_bits, plan_patches, read_bits, read_masked
@@ -53,14 +54,15 @@ _MISSING = "changed elements are not held by this rank"
 
 @collector_paused()  # the headers and entries die with this call, inside the pause: no collection walks them
 def decode_here(
-    index: IndexMap, files: Sequence[bytes | memoryview], *, whole: bool, on_device: bool | None = None,
+    index: IndexMap, files: Sequence[bytes | memoryview | Fetched], *, whole: bool, on_device: bool | None = None,
     lookup: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> list[Patch]:
     """Decode the files of one version against this rank's weights and check the result; nothing is written.
 
     Args:
         index: this rank's map; it must hold every element the files change.
-        files: the version's files (a trainer's shards: several).
+        files: the version's files (a trainer's shards: several), or the tensors range-read from them
+            (:class:`~deltasync.replica.ranged.Fetched`: an expert-parallel rank's share), decoded alone.
         whole: the files are an anchor (every element carried exactly once).
         on_device: rebuild ``compact`` tensors where the weights live (:class:`MapReader`); by default
             when some weight of this rank is on an accelerator. ``True`` on a CPU takes the same path
@@ -93,8 +95,12 @@ def decode_here(
     else:
         base = own if on_device else FlatLookup(own, index.flat_bits)
     try:  # writable buffers (a private mapping as it is, else a copy): the streams are viewed in place
-        parts = [decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=base,
-                        on_device=reader) for f in files]
+        parts = [
+            (f.header, decode_entries(f.header, f.entries, base=base, names=f.names, on_device=reader))
+            if isinstance(f, Fetched) else
+            decode(f if isinstance(f, memoryview) and not f.readonly else bytearray(f), base=base, on_device=reader)
+            for f in files
+        ]
     except IntegrityError:
         if reader is not None:
             reader.check_held()  # a base read where the rank holds nothing says so, not "wrong base"

@@ -46,13 +46,15 @@ Distributed training:
   hooks run on every rank in lockstep, as the publisher's collectives need.
   Tested with real FSDP2 on 2 gloo ranks driving these hooks, and through a
   GRPO run under ``accelerate launch`` (``tests/test_accelerate.py``).
-- FSDP1: around each publish every rank takes part in gathering the full
-  parameters (``summon_full_params``, to rank 0's CPU memory), and the main
-  process diffs and publishes them; only copies outlive the gather. Costs one
-  full gather per published version, and such a publish is never coalesced:
-  the main process first waits for the previous upload (which had a training
-  step to finish), because a coalesced publish would be redone outside the
-  gather. Tested with real FSDP1 on 2 gloo ranks.
+- FSDP1: for each publish every rank takes part in gathering the full
+  parameters to rank 0 (``summon_full_params``, to its CPU memory), one FSDP
+  unit at a time, and the main process diffs each unit's tensors as they come
+  (a stream, :func:`~deltasync.integrations.distributed.fsdp1_units`): rank 0
+  holds the snapshot plus one unit, never a second copy of the model. Costs
+  one gather of every unit per published version, and such a publish is never
+  coalesced: the main process first waits for the previous upload (which had a
+  training step to finish). Tested with real FSDP1 (a unit per Linear) on 2
+  gloo ranks.
 - DeepSpeed ZeRO-3: as FSDP2, every rank publishes the flat parameter slices
   it holds (``ds_tensor``) through :class:`~deltasync.publish.sharded.ShardedPublisher`,
   with no gather. Tested with a real ZeRO-3 engine on 2 gloo ranks publishing
@@ -264,9 +266,10 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if not self._publishing:
             return
         try:
-            # The final weights, whatever ``every`` is; for a gathered model always (a coalesced publish could
-            # not be redone by close(): the gathered weights are gone by then).
-            if self._published_step != state.global_step or self._gathered is not None:
+            # The final weights, whatever ``every`` is; for a model gathered whole always (a coalesced publish
+            # could not be redone by close(): the gathered weights are gone by then). A stream is never coalesced.
+            gathered_whole = self._gathered is not None and self._gathered.stream is None
+            if self._published_step != state.global_step or gathered_whole:
                 self._publish(state.global_step, block=True)
             if self.publisher is not None:
                 self.publisher.close()  # flush: raises what failed in the background

@@ -36,10 +36,13 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from ...appliers.vllm.rpc import version_label
 from ...errors import ConfigError
 from ...publish.publisher import Publisher
+from .plugin import register
 
 __all__ = ["DeltaSyncTrainerEngine", "DeltaSyncTrainerInitInfo"]
 
 logger = logging.getLogger("deltasync.vllm")
+
+register()  # a trainer process is no vLLM process: vLLM loads no plugin there, so the backend registers here
 
 
 @dataclass
