@@ -231,6 +231,7 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "anchors-by-entries": by_entries_case,
         "format-4-packed": packed_case,
         "format-4-table-checksum": packed_case,
+        "spans-schema-4": spans_case,
     }
 
 
@@ -257,25 +258,86 @@ def by_entries_case(root: Path) -> None:
     write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=2, part_bytes=4 << 10))
 
 
+def spans_case(root: Path) -> None:
+    """Manifest schema 4: catch-up spans up to 4 versions long beside the chain of the F16 / F32 / BF16 model's
+    versions, with elements that change in several of the versions a span covers."""
+    weights = dtypes_model()
+    steps = dtypes_steps(weights)
+    for k in range(5):
+        steps.append(lambda k=k: (nudge(weights["half.weight"], range(k * 5, 1200, 31)),
+                                  nudge(weights["brain.weight"], range(k, 1024, 97)),
+                                  nudge(weights["single.weight"], [k, 999 - k])))
+    write_case(root, weights, run(root, weights, steps, anchor_every=1000, max_span=4))
+    manifest = json.loads((root / "store" / "manifest.json").read_text())
+    assert manifest["schema"] == 4 and len(manifest["versions"][8].get("spans", [])) > 1  # the broken copies' span
+
+
+def broken_spans(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
+    """Copies of the spans case with version 8's longest span damaged: the chain stays good, so the walk reaches
+    version 8 and refuses its span; or the manifest lists a span no reader may take, refused as a whole."""
+    case = json.loads((source / "case.json").read_text())
+    manifest = json.loads((source / "store" / "manifest.json").read_text())
+    entry = next(v for v in manifest["versions"] if v["version"] == 8)
+    longest = entry["spans"][-1]
+    key = longest["objects"][0]["key"]
+
+    def make(name: str, error: str, why: str, fault: Callable[[Path], None], *, version: int = 8,
+             span_from: int | None = longest["from"]) -> None:
+        if only is None or name in only:
+            copy_broken(out / name, source, case, fault, version=version, error=error, why=why,
+                        versions=9 if version == 8 else None, span_from=span_from)
+
+    def edit(store: Path, change: Callable[[dict[str, Any]], None]) -> None:
+        stored = json.loads((store / "manifest.json").read_text())
+        change(next(v for v in stored["versions"] if v["version"] == 8))
+        (store / "manifest.json").write_text(json.dumps(stored, indent=1, ensure_ascii=False))
+
+    def flip(store: Path) -> None:
+        data = bytearray((store / key).read_bytes())
+        data[-5] ^= 0x01
+        (store / key).write_bytes(bytes(data))
+
+    def other_base(store: Path) -> None:
+        edit(store, lambda v: v["spans"][-1].update({"from": longest["from"] + 1}))
+
+    def from_previous(store: Path) -> None:
+        delta = dict(entry["delta"][0], key=entry["delta"][0]["key"].replace("deltas/", "spans/", 1))
+        (store / delta["key"]).parent.mkdir(exist_ok=True)
+        (store / delta["key"]).write_bytes((store / entry["delta"][0]["key"]).read_bytes())
+        edit(store, lambda v: v["spans"].insert(0, {"from": 7, "objects": [delta]}))
+
+    make("span-flipped-byte", "IntegrityError", "one byte of version 8's longest span differs from the manifest's "
+         "digest; the chain is intact", flip)
+    make("span-other-base", "VersionError", "the manifest lists version 8's longest span one version later than "
+         "the base its files name", other_base, span_from=longest["from"] + 1)
+    make("span-from-previous", "ManifestError", "version 8 lists a span from version 7 (a span starts at least "
+         "two versions back), a copy of its own delta under a key of its own", from_previous, version=-1,
+         span_from=None)
+
+
 def packed_case(root: Path) -> None:
     """Format 4: every delta with the packed header (its table with a content checksum since
     ``format-4-table-checksum``); one anchor (of three files, by their headers), so a reader reaches every
     version through the deltas."""
     weights = dtypes_model()
-    write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000, part_bytes=4 << 10))
+    write_case(root, weights, run(root, weights, dtypes_steps(weights), anchor_every=1000, part_bytes=4 << 10,
+                                  max_span=0))  # spans have a case of their own
 
 
 def copy_broken(
     root: Path, source: Path, case: dict[str, Any], fault: Callable[[Path], None], *, version: int, error: str,
-    why: str, versions: int | None = None,
+    why: str, versions: int | None = None, span_from: int | None = None,
 ) -> None:
     """A copy of the case at ``source`` in ``root``, its store edited by ``fault``: the reader holds the versions
-    below ``versions`` (default ``version``) and refuses ``version`` with ``error``."""
+    below ``versions`` (default ``version``) and refuses ``version`` (its span from ``span_from``, when given)
+    with ``error``."""
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(source / "store", root / "store")
     fault(root / "store")
     kept = {v: d for v, d in case["versions"].items() if int(v) < (version if versions is None else versions)}
-    refuse = {"version": version, "error": error, "why": why}
+    refuse: dict[str, Any] = {"version": version, "error": error, "why": why}
+    if span_from is not None:
+        refuse["span_from"] = span_from
     (root / "case.json").write_text(
         json.dumps({**case, "versions": kept, "refuse": refuse}, indent=1, ensure_ascii=False) + "\n"
     )
@@ -542,7 +604,8 @@ def _rehash(store: Path, key: str, *, size: int | None = None) -> None:
     data = (store / key).read_bytes()
     manifest = json.loads((store / "manifest.json").read_text())
     for entry in manifest["versions"]:
-        for ref in entry.get("delta", []) + entry.get("anchor", []):
+        spans = [ref for span in entry.get("spans", []) for ref in span["objects"]]
+        for ref in entry.get("delta", []) + entry.get("anchor", []) + spans:
             if ref["key"] == key:
                 ref["size"] = len(data) if size is None else size
                 algorithm = "sha256" if "sha256" in ref else "blake3"
@@ -690,6 +753,8 @@ def main(argv: list[str]) -> None:
         broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-packed", only=only)
     if "format-4-table-checksum" in names:
         broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-table-checksum", only=("packed-table-checksum",))
+    if "spans-schema-4" in names:
+        broken_spans(ROOT / "broken", ROOT / "golden" / "spans-schema-4")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

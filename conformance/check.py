@@ -10,9 +10,11 @@ each version's delta (or its anchor when it has no delta); every object's size
 and digest against the manifest (whole, or by its header and tensors for
 ``blake3-entries``), every header against the model and the
 manifest's claim; after each version, each tensor's SHA-256 against
-``case.json``. A golden case passes when every listed version is reached with
-the expected digests; a broken case passes when the walk reaches exactly the
-versions listed and then refuses ``refuse.version`` with ``refuse.error``.
+``case.json``, and each catch-up span of the version, applied to the weights
+of its base, against the same digests. A golden case passes when every listed
+version is reached with the expected digests; a broken case passes when the
+walk reaches exactly the versions listed and then refuses ``refuse.version``
+(and, for a span, ``refuse.span_from``) with ``refuse.error``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class Walk:
     reached: dict[str, dict[str, str]]
     refused: tuple[int, DeltaSyncError] | None
     weights: dict[str, torch.Tensor]
+    refused_span: int | None = None
+    """The base of the span refused (``refused`` then names its version), if a span was."""
+    spans: int = 0
+    """Spans checked."""
 
 
 def cases(root: Path = ROOT) -> list[Path]:
@@ -94,6 +100,8 @@ def walk(case_dir: Path) -> Walk:
     weights = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in specs}
     applier = TorchModuleApplier(weights, dtype=None)
     reached: dict[str, dict[str, str]] = {}
+    states: dict[int, dict[str, torch.Tensor]] = {}  # the weights at each version reached: spans start there
+    spans = 0
     held: int | None = None
     try:
         manifest = Manifest.from_bytes((store / "manifest.json").read_bytes())
@@ -123,7 +131,29 @@ def walk(case_dir: Path) -> Walk:
             return Walk(reached, (entry.version, exc), weights)
         held = entry.version
         reached[str(entry.version)] = digests(weights)
-    return Walk(reached, None, weights)
+        states[entry.version] = {name: t.clone() for name, t in weights.items()}
+        for span in entry.spans:
+            if span.base not in states:
+                continue  # its base was not reached (before the first anchor)
+            try:
+                _check_span(store, span.objects, span.base, entry.version, states[span.base],
+                            reached[str(entry.version)])
+            except DeltaSyncError as exc:
+                return Walk(reached, (entry.version, exc), weights, span.base, spans)
+            spans += 1
+    return Walk(reached, None, weights, spans=spans)
+
+
+def _check_span(
+    store: Path, refs: tuple[ObjectRef, ...], base: int, version: int, at_base: dict[str, torch.Tensor],
+    expected: dict[str, str],
+) -> None:
+    """A span's files, decoded as a delta from ``base`` onto the weights of ``base``, make exactly ``version``."""
+    weights = {name: t.clone() for name, t in at_base.items()}
+    applier = TorchModuleApplier(weights, dtype=None)
+    applier.apply(_decode_version(store, refs, "delta", version, base, applier))
+    if digests(weights) != expected:
+        raise IntegrityError(f"the span from v{base} does not make v{version}")
 
 
 def check(case_dir: Path) -> list[str]:
@@ -146,10 +176,13 @@ def check(case_dir: Path) -> list[str]:
     elif refuse is not None:
         if result.refused is None:
             problems.append(f"accepted everything; v{refuse['version']} must be refused ({refuse['error']})")
-        elif (result.refused[0], type(result.refused[1]).__name__) != (refuse["version"], refuse["error"]):
+        elif (result.refused[0], type(result.refused[1]).__name__, result.refused_span) != (
+                refuse["version"], refuse["error"], refuse.get("span_from")):
             version, exc = result.refused
-            problems.append(f"refused v{version} with {type(exc).__name__} ({exc}); expected v{refuse['version']} "
-                            f"with {refuse['error']}")
+            span = "" if result.refused_span is None else f" (its span from v{result.refused_span})"
+            wanted = "" if refuse.get("span_from") is None else f" (its span from v{refuse['span_from']})"
+            problems.append(f"refused v{version}{span} with {type(exc).__name__} ({exc}); expected "
+                            f"v{refuse['version']}{wanted} with {refuse['error']}")
     return problems
 
 

@@ -257,7 +257,7 @@ def test_expert_parallel_ranks_read_only_their_experts_and_end_exact(tmp_path: A
 
     from deltasync import Publisher
     from deltasync.protocol.keys import MANIFEST_KEY
-    from deltasync.protocol.manifest import Manifest
+    from deltasync.protocol.manifest import Manifest, plan_route
     from deltasync.stores import open_store
 
     gen = torch.Generator().manual_seed(0)
@@ -276,10 +276,12 @@ def test_expert_parallel_ranks_read_only_their_experts_and_end_exact(tmp_path: A
     assert [e.version for e in manifest.versions if e.delta] == [1, 2]
     mp.start_processes(_expert_parallel_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), store),
                        nprocs=2, start_method="spawn", join=True)
-    whole = sum(ref.size for e in manifest.versions for ref in e.anchor[:1] + e.delta if e.version <= 2)
+    plan = plan_route(manifest, None)
+    assert plan is not None and [s.label for s in plan.steps] == ["anchor", "span"]  # a span is read by range too
+    whole = plan.nbytes
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank-{rank}.pt")
-        assert got["route"] == ["anchor", "delta", "delta"]
+        assert got["route"] == ["anchor", "span"]
         assert torch.equal(got["rows"].view(torch.int16), weights["shared"][4 * rank:4 * rank + 4].view(torch.int16))
         assert torch.equal(got["expert"].view(torch.int16), weights[f"expert.{rank}"].view(torch.int16))
         assert got["bytes"] < 0.6 * whole, (rank, got["bytes"], whole)  # its expert, not the other

@@ -224,7 +224,7 @@ class TestWatch:
             anchor.unlink()
         second = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
         assert second.returncode == 0, second.stderr
-        assert "v2 of run" in second.stdout and "from v2 via delta+delta" in second.stdout
+        assert "v2 of run" in second.stdout and "from v2 via span" in second.stdout
         assert "anchor" not in second.stdout
         assert_bit_exact(ckpt, model)
         assert state_of(ckpt)["version"] == 4

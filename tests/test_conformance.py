@@ -33,6 +33,8 @@ BROKEN = [c for c in cases() if c.parent.name == "broken"]
 # A replica follows one route: of a version that lists a delta and an anchor it decodes one, so it cannot see that
 # they differ (docs/PROTOCOL.md, "Following the chain"). Only the walk, which decodes both, refuses these.
 BOTH_ROUTES = {"anchor-differs-from-delta"}
+# A broken span leaves the chain intact: a replica that meets it takes the chain instead.
+SPANS = {c.name for c in BROKEN if "span_from" in json.loads((c / "case.json").read_text())["refuse"]}
 
 
 def _case(case_dir: Path) -> dict[str, Any]:
@@ -68,7 +70,7 @@ def test_a_subscriber_ends_at_the_latest_digests(case_dir: Path) -> None:
     assert digests(weights) == case["versions"][latest]
 
 
-@pytest.mark.parametrize("case_dir", [c for c in BROKEN if c.name not in BOTH_ROUTES], ids=lambda p: p.name)
+@pytest.mark.parametrize("case_dir", [c for c in BROKEN if c.name not in BOTH_ROUTES | SPANS], ids=lambda p: p.name)
 def test_a_subscriber_refuses_the_broken_version_and_keeps_the_last_good_one(case_dir: Path) -> None:
     case = _case(case_dir)
     weights = _replica(case)
@@ -79,6 +81,24 @@ def test_a_subscriber_refuses_the_broken_version_and_keeps_the_last_good_one(cas
         kept = case["refuse"]["version"] - 1  # -1: a refused first anchor leaves the replica as it was
         assert sub.version == (kept if kept >= 0 else None)
     assert digests(weights) == (case["versions"][str(kept)] if kept >= 0 else digests(_replica(case)))
+
+
+@pytest.mark.parametrize("case_dir", [c for c in BROKEN if c.name in SPANS], ids=lambda p: p.name)
+def test_a_subscriber_refuses_a_broken_span_and_reaches_the_newest_by_the_chain(case_dir: Path) -> None:
+    case = _case(case_dir)
+    weights = _replica(case)
+    expected = getattr(errors, case["refuse"]["error"])
+    source = _case(ROOT / "golden" / "spans-schema-4")["versions"]
+    info = None
+    with Subscriber(str(case_dir / case["store"]), TorchModuleApplier(weights, dtype=None), ack=False) as sub:
+        for _ in range(10):  # a damaged object is tried again (it may be the link's), then avoided
+            try:
+                info = sub.update()
+                break
+            except expected:
+                assert sub.version is not None and digests(weights) == source[str(sub.version)]
+    assert info is not None and digests(weights) == source[max(source, key=int)]
+    assert walk(case_dir).refused_span == case["refuse"]["span_from"]
 
 
 def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
@@ -125,7 +145,8 @@ def test_the_golden_stores_cover_what_a_reader_must_handle() -> None:
     assert any(v.get("anchor") and v.get("delta") for m in manifests.values() for v in m["versions"])
     assert any(json.loads(p.read_text())["retired"] for p in (ROOT / "golden").glob("*/store/retired.json"))
     refs = [r for m in manifests.values() for v in m["versions"] for r in v.get("delta", []) + v.get("anchor", [])]
-    assert {m["schema"] for m in manifests.values()} == {1, 2, 3}
+    assert {m["schema"] for m in manifests.values()} == {1, 2, 3, 4}
+    assert sum(len(v.get("spans", [])) for m in manifests.values() for v in m["versions"]) >= 3
     assert any("sha256" in r for r in refs) and any("blake3" in r and "blake3" in r["header"] for r in refs)
     assert any("blake3-entries" in r and "blake3-entries" in r["header"] for r in refs)
 

@@ -71,10 +71,11 @@ def publish(publisher: Publisher, step_: int) -> None:
 
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor], Publisher]]:
-    """A store with versions 0 (anchor), 1 and 2, and the publisher still open."""
+    """A store with versions 0 (anchor), 1 and 2, and the publisher still open (no span: every route takes the
+    deltas these tests tamper with)."""
     url = str(tmp_path / "store")
     weights = trainer_weights()
-    with Publisher(weights, url) as publisher:
+    with Publisher(weights, url, max_span=0) as publisher:
         for v in range(3):
             if v:
                 step(weights, v)

@@ -13,6 +13,7 @@ from deltasync.errors import ManifestError
 from deltasync.protocol.manifest import (
     Manifest,
     ObjectRef,
+    Span,
     VersionEntry,
     deletable,
     plan_retention,
@@ -229,3 +230,94 @@ class TestRetention:
         assert due == [] and kept.retired == m.retired
         due, kept = deletable(m, now=500.0, grace=300)
         assert "anchors/0" in due and kept.retired == ()
+
+
+# ---------------------------------------------------------------------- catch-up spans (schema 4)
+
+
+def with_spans(m: Manifest, spans: dict[int, list[tuple[int, int]]]) -> Manifest:
+    """``m`` with spans {version: [(base, size), ...]} (each one object ``spans/<version>-<base>``)."""
+    versions = tuple(
+        e.with_spans(tuple(Span(b, (ref(f"spans/{e.version}-{b}", size),)) for b, size in spans.get(e.version, [])))
+        for e in m.versions
+    )
+    return Manifest(m.run_id, m.fingerprint, m.numel, m.writer, 0.0, versions)
+
+
+class TestSpans:
+    def test_roundtrip_and_schema_4_only_while_a_span_is_listed(self) -> None:
+        m = with_spans(build(9, {0: 1000}), {4: [(2, 15), (0, 25)], 8: [(0, 40), (6, 15), (4, 25)]})
+        assert [s.base for s in m.entry(8).spans] == [6, 4, 0]  # kept longest last
+        raw = json.loads(m.to_bytes())
+        assert raw["schema"] == 4 and raw["versions"][4]["spans"][1] == {"from": 0, "objects": [
+            {"key": "spans/4-0", "size": 25, "blake3": SHA}]}
+        assert Manifest.from_bytes(m.to_bytes()).versions == m.versions
+        assert json.loads(build(9, {0: 1000}).to_bytes())["schema"] == 2
+        for schema in (1, 2, 3):
+            with pytest.raises(ManifestError, match="schema"):
+                Manifest.from_bytes(json.dumps(dict(raw, schema=schema)).encode())
+
+    @pytest.mark.parametrize(
+        "spans, match",
+        [
+            ([{"from": 3, "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]}], "at least 2 versions below"),
+            ([{"from": 5, "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]}], "at least 2 versions below"),
+            ([{"from": 0, "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]},
+              {"from": 2, "objects": [{"key": "spans/y", "size": 1, "sha256": SHA}]}], "longest last"),
+            ([{"from": 2, "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]},
+              {"from": 2, "objects": [{"key": "spans/y", "size": 1, "sha256": SHA}]}], "longest last"),
+            ([{"from": 2, "objects": []}], "lists no object"),
+            ([{"from": 2, "objects": [{"key": "deltas/1", "size": 1, "sha256": SHA}]}], "twice|duplicate"),
+            ([{"from": "2", "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]}], "from"),
+            ([{"objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]}], "from"),
+            (["spans/x"], "span must be a JSON object"),
+            ({"from": 2}, "must be a list"),
+        ],
+    )
+    def test_bad_spans_refuse_the_manifest(self, spans: object, match: str) -> None:
+        raw = json.loads(build(5, {0: 1000}).to_bytes())
+        raw["schema"] = 4
+        raw["versions"][4]["spans"] = spans
+        with pytest.raises(ManifestError, match=match):
+            Manifest.from_bytes(json.dumps(raw).encode())
+
+    def test_a_span_from_before_the_oldest_listed_version_is_refused(self) -> None:
+        raw = json.loads(plan_retention(build(9, {0: 100, 4: 100}), keep_anchors=1, now=0).to_bytes())
+        raw["schema"] = 4
+        raw["versions"][-1]["spans"] = [{"from": 2, "objects": [{"key": "spans/x", "size": 1, "sha256": SHA}]}]
+        with pytest.raises(ManifestError, match="older than the oldest listed version"):
+            Manifest.from_bytes(json.dumps(raw).encode())
+
+    def test_the_cheapest_route_takes_spans_where_they_pay(self) -> None:
+        m = with_spans(build(9, {0: 1000}), {2: [(0, 15)], 4: [(2, 15), (0, 25)], 8: [(6, 15), (4, 25), (0, 40)]})
+        plan = plan_route(m, 0)
+        assert [(s.base, s.version, s.label) for s in plan.steps] == [(0, 8, "span")] and plan.nbytes == 40
+        plan = plan_route(m, 1)  # an odd start: one delta up to the next span's base, then spans
+        assert [(s.base, s.version) for s in plan.steps] == [(1, 2), (2, 4), (4, 8)] and plan.nbytes == 10 + 15 + 25
+        plan = plan_route(m, 5)
+        assert [(s.base, s.version) for s in plan.steps] == [(5, 6), (6, 8)]
+        # A span dearer than the chain is not taken; equal bytes: the route of fewer objects.
+        dear = with_spans(build(5, {0: 1000}), {4: [(2, 25), (0, 40)]})
+        assert [s.label for s in plan_route(dear, 2).steps] == ["delta", "delta"]
+        even = with_spans(build(5, {0: 1000}), {4: [(2, 20)]})
+        assert [s.label for s in plan_route(even, 2).steps] == ["span"]
+
+    def test_an_avoided_span_leaves_the_chain(self) -> None:
+        m = with_spans(build(9, {0: 1000}), {8: [(4, 25), (0, 40)]})
+        plan = plan_route(m, 0, avoid={"spans/8-0"})
+        assert [s.label for s in plan.steps] == ["delta"] * 4 + ["span"]
+        plan = plan_route(m, 0, avoid={"spans/8-0", "spans/8-4"})
+        assert [s.label for s in plan.steps] == ["delta"] * 8
+
+    def test_a_route_to_an_older_target_uses_only_spans_that_end_by_it(self) -> None:
+        m = with_spans(build(9, {0: 1000}), {4: [(0, 25)], 8: [(0, 40)]})
+        plan = plan_route(m, 0, target=6)
+        assert [(s.base, s.version) for s in plan.steps] == [(0, 4), (4, 5), (5, 6)]
+
+    def test_retention_retires_spans_with_the_chain_they_start_from(self) -> None:
+        m = with_spans(build(10, {0: 100, 4: 100}), {6: [(4, 15)], 8: [(6, 15), (4, 25), (0, 40)]})
+        kept = plan_retention(m, keep_anchors=1, now=5.0)
+        assert [v.version for v in kept.versions][0] == 4
+        assert [s.base for s in kept.entry(8).spans] == [6, 4] and [s.base for s in kept.entry(6).spans] == [4]
+        assert ("spans/8-0", 5.0) in kept.retired and "spans/8-4" not in {k for k, _ in kept.retired}
+        assert Manifest.from_bytes(kept.to_bytes()).versions == kept.versions

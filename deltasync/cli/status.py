@@ -60,7 +60,8 @@ def collect_status(
         "versions_listed": len(manifest.versions),
         "delta_bytes": sizes["delta_bytes"],
         "anchor_bytes": sizes["anchor_bytes"],
-        "total_bytes": sizes["delta_bytes"] + sizes["anchor_bytes"],
+        "span_bytes": sizes["span_bytes"],
+        "total_bytes": sizes["delta_bytes"] + sizes["anchor_bytes"] + sizes["span_bytes"],
         "retired_pending": len(manifest.retired) + retired_listed,
         "leftovers": len(leftovers),
         "leftover_bytes": sum(info.size or 0 for info in leftovers),
@@ -72,14 +73,16 @@ def collect_status(
 
 def _version_row(entry: VersionEntry, numel: int, now: float) -> dict[str, Any]:
     kinds = [k for k, refs in (("delta", entry.delta), ("anchor", entry.anchor)) if refs]
+    kinds += ["span"] if entry.spans else []
     return {
         "version": entry.version,
         "step": entry.step,
         "kinds": kinds,
+        "spans_from": [span.base for span in entry.spans],
         "nnz": entry.nnz,
         # An anchor-only version carries everything; "changed" is only defined against a previous version.
         "sparsity": (1.0 - entry.nnz / numel if numel else 1.0) if entry.delta else None,
-        "bytes": entry.delta_bytes + entry.anchor_bytes,
+        "bytes": entry.delta_bytes + entry.anchor_bytes + entry.span_bytes,
         "time": entry.time,
         "age_s": now - entry.time,
     }

@@ -132,6 +132,8 @@ class CommitHasher:
 
     def __call__(self, info: Any) -> None:
         when = time.time()
+        if info.kind == "span":  # catch-up objects of a version already committed and hashed
+            return
         if info.kind == "anchor" and info.version in self._hashed:  # an anchor added to a committed delta
             self.events.put(("anchor", info.version, info.bytes, info.t_total))
             return

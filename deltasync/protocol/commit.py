@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -36,6 +37,7 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ObjectRef,
+    Span,
     VersionEntry,
     deletable,
     new_manifest,
@@ -218,11 +220,16 @@ class ManifestWriter:
 
     def attach_anchor(self, version: int, refs: tuple[ObjectRef, ...]) -> None:
         """Add anchor objects to the already committed ``version`` (one manifest write)."""
+        self._amend(version, refs, lambda entry: replace(entry, anchor=refs))
+
+    def attach_spans(self, version: int, spans: tuple[Span, ...]) -> None:
+        """Add catch-up spans to the already committed ``version`` (one manifest write)."""
+        refs = tuple(o for span in spans for o in span.objects)
+        self._amend(version, refs, lambda entry: entry.with_spans(spans))
+
+    def _amend(self, version: int, refs: tuple[ObjectRef, ...], change: Callable[[VersionEntry], VersionEntry]) -> None:
         assert self.manifest is not None and self.manifest.entry(version) is not None
-        versions = tuple(
-            VersionEntry(e.version, e.step, e.time, e.nnz, e.delta, refs) if e.version == version else e
-            for e in self.manifest.versions
-        )
+        versions = tuple(change(e) if e.version == version else e for e in self.manifest.versions)
         self.commit(replace(self.manifest, versions=versions), refs)
 
     def commit(self, manifest: Manifest, uploaded: tuple[ObjectRef, ...] = ()) -> None:

@@ -7,6 +7,7 @@ replica acks::
     retired.json
     deltas/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>].safetensors
     anchors/<version:010d>-<writer:8>-<random:4>[-r<rank:05d>]-part<part:04d>.safetensors
+    spans/<version:010d>-from<base:010d>-<writer:8>-<random:4>.safetensors
     acks/<replica>.json
 
 ``<writer>`` is the first 8 hex digits of the uploading publisher's writer id
@@ -30,11 +31,13 @@ __all__ = [
     "RETIRED_KEY",
     "DELTAS",
     "ANCHORS",
+    "SPANS",
     "ACKS",
     "VERSION_PREFIXES",
     "delta_key",
     "anchor_prefix",
     "anchor_part_key",
+    "span_key",
     "ack_key",
     "writer_suffix",
 ]
@@ -48,9 +51,11 @@ DELTAS = "deltas/"
 """Prefix of delta objects."""
 ANCHORS = "anchors/"
 """Prefix of anchor parts."""
+SPANS = "spans/"
+"""Prefix of catch-up spans (deltas from further back than the previous version)."""
 ACKS = "acks/"
 """Prefix of replica acks (rewritten by their replicas)."""
-VERSION_PREFIXES = (DELTAS, ANCHORS)
+VERSION_PREFIXES = (DELTAS, ANCHORS, SPANS)
 """Prefixes of version objects: immutable once written, named by a manifest or orphaned."""
 
 OBJECT_SUFFIX = ".safetensors"
@@ -102,6 +107,16 @@ def anchor_part_key(prefix: str, part: int) -> str:
         `str`: e.g. ``"anchors/0000000007-1a2b3c4d-part0000.safetensors"``.
     """
     return f"{prefix}-part{part:04d}{OBJECT_SUFFIX}"
+
+
+def span_key(version: int, base: int, *, suffix: str | None = None) -> str:
+    """The key of a new catch-up span from ``base`` to ``version``.
+
+    Returns:
+        `str`: e.g. ``"spans/0000000008-from0000000004-1a2b3c4d-9f0e.safetensors"``.
+    """
+    suffix = uuid.uuid4().hex[:SUFFIX_HEX] if suffix is None else suffix
+    return f"{SPANS}{version:010d}-from{base:010d}-{suffix}{OBJECT_SUFFIX}"
 
 
 def ack_key(replica_id: str) -> str:

@@ -11,12 +11,15 @@ replica's version to the latest, and planning retention. The publisher and the
 subscriber do the I/O.
 
 Schema 2 adds BLAKE3 object digests, schema 3 objects checked by their header's
-per-tensor digests (``blake3-entries``); otherwise schemas only add fields with
-defaults. ``tests/golden/manifest_v1.json`` keeps old manifests readable.
+per-tensor digests (``blake3-entries``), schema 4 catch-up spans (a version's
+``spans``: deltas from an older version, :class:`Span`); otherwise schemas only
+add fields with defaults. ``tests/golden/manifest_v1.json`` keeps old manifests
+readable.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import time
@@ -31,9 +34,12 @@ from ..stores import check_key
 from ..util.jsonio import load_json
 from .keys import MANIFEST_KEY
 
-__all__ = ["MANIFEST_KEY", "ObjectRef", "VersionEntry", "Manifest", "Step", "Plan", "plan_route", "plan_retention"]
+__all__ = [
+    "MANIFEST_KEY", "ObjectRef", "Span", "VersionEntry", "Manifest", "Step", "Plan", "plan_route", "plan_retention",
+]
 
-SCHEMA = 3  # 2: BLAKE3 object digests besides SHA-256; 3: objects checked by their entries (readers accept 1-3)
+SCHEMA = 4  # 2: BLAKE3 object digests; 3: objects checked by their entries; 4: spans (readers accept 1-4)
+SPANS_SCHEMA = 4
 FORMAT = "deltasync-manifest"
 # Objects dropped from the manifest stay this long before deletion, so a replica
 # that read the previous manifest can still finish its download.
@@ -133,6 +139,31 @@ class ObjectRef:
 
 
 @dataclass(frozen=True, slots=True)
+class Span:
+    """A catch-up span of a version: one delta from an older version ``base`` straight to it (the elements
+    changed in between, at their values in the version), written besides the chain of single deltas."""
+
+    base: int
+    """The version the span applies to (at least 2 below its version: one below is the ordinary delta)."""
+    objects: tuple[ObjectRef, ...]
+    """The span's object(s): delta files whose header says ``base_version = base``."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.base, "objects": [o.to_json() for o in self.objects]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Span:
+        if not isinstance(raw, dict):
+            raise ManifestError("a span must be a JSON object")
+        objects = tuple(ObjectRef.from_json(o) for o in _list(raw.get("objects"), "objects"))
+        return cls(_int(raw.get("from"), "from"), objects)
+
+
+@dataclass(frozen=True, slots=True)
 class VersionEntry:
     """One published version: a delta from ``version - 1``, an anchor, or both."""
 
@@ -150,6 +181,8 @@ class VersionEntry:
     """Delta object(s) from ``version - 1``; empty when only an anchor exists."""
     anchor: tuple[ObjectRef, ...] = ()
     """Anchor object(s): the full weights at ``version``, split in parts."""
+    spans: tuple[Span, ...] = ()
+    """Catch-up spans to this version from older ones, by ascending length (schema 4)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.version, 0, MAX_VERSION):
@@ -163,6 +196,14 @@ class VersionEntry:
             raise ManifestError(f"version {self.version} has neither delta nor anchor", version=self.version)
         if self.delta and self.version == 0:
             raise ManifestError("version 0 cannot be a delta", version=0)
+        bases = [span.base for span in self.spans]
+        if any(not 0 <= b <= self.version - 2 for b in bases) or bases != sorted(set(bases), reverse=True):
+            raise ManifestError(
+                f"the spans of version {self.version} must start at least 2 versions below it, each at its own "
+                f"version, longest last (from {bases[:5]})", version=self.version,
+            )
+        if any(not span.objects for span in self.spans):
+            raise ManifestError(f"a span of version {self.version} lists no object", version=self.version)
 
     @property
     def delta_bytes(self) -> int:
@@ -172,8 +213,21 @@ class VersionEntry:
     def anchor_bytes(self) -> int:
         return sum(o.size for o in self.anchor)
 
+    @property
+    def span_bytes(self) -> int:
+        return sum(span.nbytes for span in self.spans)
+
     def objects(self) -> tuple[ObjectRef, ...]:
-        return self.delta + self.anchor
+        """Every object of the version: delta, anchor and spans."""
+        return self.delta + self.anchor + tuple(o for span in self.spans for o in span.objects)
+
+    def with_spans(self, spans: tuple[Span, ...]) -> VersionEntry:
+        """A copy with ``spans`` added (kept longest last)."""
+        return replace(self, spans=tuple(sorted(self.spans + spans, key=lambda span: -span.base)))
+
+    def span(self, base: int) -> Span | None:
+        """The span from ``base`` to this version, if listed."""
+        return next((span for span in self.spans if span.base == base), None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version, "step": self.step, "time": self.time, "nnz": self.nnz}
@@ -181,6 +235,8 @@ class VersionEntry:
             out["delta"] = [o.to_json() for o in self.delta]
         if self.anchor:
             out["anchor"] = [o.to_json() for o in self.anchor]
+        if self.spans:
+            out["spans"] = [span.to_json() for span in self.spans]
         return out
 
     @classmethod
@@ -195,6 +251,7 @@ class VersionEntry:
             nnz=_int(raw.get("nnz", 0), "nnz"),
             delta=refs["delta"],
             anchor=refs["anchor"],
+            spans=tuple(Span.from_json(span) for span in _list(raw.get("spans", []), "spans")),
         )
 
 
@@ -243,6 +300,12 @@ class Manifest:
             )
         if self.versions and not self.versions[0].anchor:
             raise ManifestError("the oldest listed version must have an anchor")
+        for entry in self.versions:
+            if entry.spans and entry.spans[-1].base < numbers[0]:
+                raise ManifestError(
+                    f"version {entry.version} lists a span from v{entry.spans[-1].base}, older than the oldest "
+                    f"listed version v{numbers[0]} (spans are retired with their chain)", version=entry.version,
+                )
         for entry in self.versions:
             if entry.nnz > self.numel:
                 raise ManifestError(
@@ -297,7 +360,7 @@ class Manifest:
             "versions": [v.to_json() for v in self.versions],
             "retired": [[k, t] for k, t in self.retired],
         }
-        return json.dumps(body, indent=1).encode()
+        return json.dumps(body).encode()  # one line: the C encoder, several times faster
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -341,8 +404,12 @@ class Manifest:
 
 
 def _schema_needed(versions: Iterable[VersionEntry]) -> int:
-    """The lowest schema that names the digest of every object of ``versions``: ``sha256`` 1, ``blake3`` 2,
-    ``blake3-entries`` 3."""
+    """The lowest schema that names every object of ``versions``: spans 4; else by digest, ``sha256`` 1,
+    ``blake3`` 2, ``blake3-entries`` 3. A reader of an older schema says "upgrade" instead of ignoring spans
+    (its gc would take their objects for orphans)."""
+    versions = tuple(versions)
+    if any(v.spans for v in versions):
+        return SPANS_SCHEMA
     algorithms = {ref.algorithm for v in versions for ref in v.objects()}
     return 3 if digests.BY_ENTRIES in algorithms else 2 if algorithms - {"sha256"} else 1
 
@@ -387,11 +454,23 @@ class Step:
 
     version: int
     kind: Literal["delta", "anchor"]
+    """What the objects' headers say they are (a span's objects are deltas)."""
     objects: tuple[ObjectRef, ...]
+    base: int | None = None
+    """The version a delta applies to: ``version - 1``, or further back for a span; ``None`` for an anchor."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "delta" and self.base is None:
+            object.__setattr__(self, "base", self.version - 1)
 
     @property
     def nbytes(self) -> int:
         return sum(o.size for o in self.objects)
+
+    @property
+    def label(self) -> str:
+        """``"anchor"``, ``"delta"`` or ``"span"`` (a delta from further back than one version)."""
+        return "span" if self.kind == "delta" and self.base != self.version - 1 else self.kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,11 +493,12 @@ class Plan:
 def plan_route(
     manifest: Manifest, current: int | None, *, avoid: Iterable[str] = (), target: int | None = None
 ) -> Plan | None:
-    """Cheapest route (fewest bytes) from ``current`` to ``target`` (the latest version by default).
+    """Cheapest route (fewest bytes, then fewest objects) from ``current`` to ``target`` (the latest version by
+    default).
 
-    Candidates are the delta chain from ``current`` and, for each anchor at or
-    after it and at or before the target, that anchor plus the deltas after it up
-    to the target. Objects in ``avoid`` (keys that failed verification) are never used.
+    A route starts at ``current`` or at an anchor after it (at or before the target) and moves forward by deltas
+    (one version) and spans (from a span's base to its version); it never goes back. Objects in ``avoid`` (keys
+    that failed verification) are never used.
 
     Returns:
         `Plan`, or ``None`` when the target is unreachable: no usable anchor, a target the manifest does
@@ -432,43 +512,52 @@ def plan_route(
     if target is not None and current is not None and current > target:
         return None
     bad = set(avoid)
-    by_version = {v.version: v for v in manifest.versions}
     usable = lambda refs: bool(refs) and not any(o.key in bad for o in refs)  # noqa: E731
-
-    def chain(start: int) -> list[Step] | None:
-        hops = []
-        for number in range(start + 1, latest + 1):
-            entry = by_version.get(number)
-            if entry is None or not usable(entry.delta):
-                return None
-            hops.append(Step(number, "delta", entry.delta))
-        return hops
-
-    candidates: list[list[Step]] = []
+    # Hops out of each version: the delta to the next one, and every span that starts there.
+    hops: dict[int, list[Step]] = {}
+    for entry in manifest.versions:
+        if entry.version > latest:
+            break
+        if usable(entry.delta):
+            hops.setdefault(entry.version - 1, []).append(Step(entry.version, "delta", entry.delta))
+        for span in entry.spans:
+            if usable(span.objects):
+                hops.setdefault(span.base, []).append(Step(entry.version, "delta", span.objects, span.base))
+    # Shortest paths over versions (Dijkstra on (bytes, objects)); sources: ``current`` and the anchors after it.
+    best: set[int] = set()
+    order = itertools.count()  # equal costs: the route found first (from the replica's version before anchors)
+    queue: list[tuple[tuple[int, int], int, int, tuple[Step, ...]]] = []
     if current is not None and current < latest:
-        hops = chain(current)
-        if hops is not None:
-            candidates.append(hops)
+        queue.append(((0, 0), next(order), current, ()))
     for entry in manifest.anchors():
         if entry.version > latest:
             break  # anchors come in version order: the rest lie past the target
         if current is not None and current <= latest and entry.version <= current:
             continue  # never go back to an anchor older than the weights we hold
         if usable(entry.anchor):
-            rest = chain(entry.version)
-            if rest is not None:
-                candidates.append([Step(entry.version, "anchor", entry.anchor), *rest])
-    if not candidates:
-        return None
-    best = min(candidates, key=lambda hops: (sum(s.nbytes for s in hops), len(hops)))
-    return Plan(current, latest, tuple(best))
+            step = Step(entry.version, "anchor", entry.anchor)
+            queue.append(((step.nbytes, len(step.objects)), next(order), entry.version, (step,)))
+    heapq.heapify(queue)
+    while queue:
+        cost, _, version, route = heapq.heappop(queue)
+        if version in best:
+            continue
+        best.add(version)
+        if version == latest:
+            return Plan(current, latest, route)
+        for step in hops.get(version, ()):
+            if step.version <= latest and step.version not in best:
+                heapq.heappush(queue, ((cost[0] + step.nbytes, cost[1] + len(step.objects)), next(order),
+                                       step.version, (*route, step)))
+    return None
 
 
 def plan_retention(manifest: Manifest, *, keep_anchors: int, now: float) -> Manifest:
     """Drop versions older than the ``keep_anchors``-th newest anchor.
 
     Every replica can still reach the latest version from any kept anchor, and
-    from any kept version by deltas. Dropped objects go to ``retired`` and are
+    from any kept version by deltas. Spans from a dropped version go with it.
+    Dropped objects go to ``retired`` and are
     deleted by :func:`deletable` after :data:`RETIRE_GRACE_S`.
     """
     anchors = manifest.anchors()
@@ -484,7 +573,12 @@ def plan_retention(manifest: Manifest, *, keep_anchors: int, now: float) -> Mani
         first = kept[0]
         dropped.append(VersionEntry(first.version, delta=first.delta))
         kept[0] = replace(first, delta=())
-    retired = manifest.retired + tuple((o.key, now) for e in dropped for o in e.objects())
+    objects = [o for e in dropped for o in e.objects()]
+    for i, entry in enumerate(kept):  # spans are retired with the chain they start from
+        if any(span.base < oldest_kept for span in entry.spans):
+            objects += [o for span in entry.spans if span.base < oldest_kept for o in span.objects]
+            kept[i] = replace(entry, spans=tuple(span for span in entry.spans if span.base >= oldest_kept))
+    retired = manifest.retired + tuple((o.key, now) for o in objects)
     return replace(manifest, versions=tuple(kept), retired=retired)
 
 
@@ -515,4 +609,5 @@ def summarize(manifest: Manifest) -> Mapping[str, Any]:
         "anchors": [v.version for v in manifest.anchors()],
         "delta_bytes": sum(v.delta_bytes for v in manifest.versions),
         "anchor_bytes": sum(v.anchor_bytes for v in manifest.versions),
+        "span_bytes": sum(v.span_bytes for v in manifest.versions),
     }

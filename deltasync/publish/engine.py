@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,12 +28,13 @@ from ..errors import ConflictError, DeltaSyncError, FingerprintMismatch, StoreEr
 from ..format import PACKED_VERSION, Window, encode_anchor_parts, encode_delta, header_ref
 from ..format.digests import BY_ENTRIES
 from ..protocol.commit import ManifestWriter
-from ..protocol.keys import anchor_part_key, anchor_prefix, delta_key, writer_suffix
-from ..protocol.manifest import Manifest, ObjectRef, VersionEntry
+from ..protocol.keys import anchor_part_key, anchor_prefix, delta_key, span_key, writer_suffix
+from ..protocol.manifest import Manifest, ObjectRef, Span, VersionEntry, plan_route
 from ..stores import Store, open_store
 from ..tensors import ChangeSet, TensorSpec, fingerprint
 from .diff import Snapshot
 from .options import PublishOptions
+from .spans import SPAN_CODEC, Run, SpanLevels
 
 __all__ = [
     "Background", "PublishInfo", "PublisherStats", "Shard", "VersionWriter", "MAX_ERRORS_KEPT", "OPEN_WAIT_S",
@@ -55,7 +56,8 @@ class PublishInfo:
     version: int
     step: int | None
     kind: str
-    """``"delta"`` or ``"anchor"`` (an anchor added to an already committed delta is reported separately)."""
+    """``"delta"``, ``"anchor"`` or ``"span"`` (an anchor or the catch-up spans added to an already committed delta
+    are reported separately)."""
     nnz: int
     numel: int
     bytes: int
@@ -112,8 +114,8 @@ class VersionWriter:
         commits (`ManifestWriter`): the prefix's owner and manifest writer (only rank 0 of a sharded run commits).
         specs (`tuple[TensorSpec, ...]`): every tensor of the model, as published.
         shard (`Shard`, *optional*): this rank's part of a sharded model (``None``: the whole model).
-        codec, level, format_version, part_bytes, anchor_every, anchor_ratio, on_publish: as for
-            :class:`~deltasync.publish.publisher.Publisher`.
+        codec, level, format_version, part_bytes, anchor_every, anchor_ratio, max_span, on_publish: as for
+            :class:`~deltasync.publish.publisher.Publisher` (a sharded writer publishes no spans).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class VersionWriter:
         part_bytes: int,
         anchor_every: int,
         anchor_ratio: float,
+        max_span: int = 0,
         on_publish: Callable[[PublishInfo], None] | None = None,
         shard: Shard | None = None,
     ) -> None:
@@ -144,6 +147,8 @@ class VersionWriter:
         """Bytes of deltas committed since that anchor."""
         self.form: str | None = None
         """The form of the newest committed version (sources with several forms)."""
+        self.spans = SpanLevels(0 if shard is not None else max_span, sum(s.numel for s in specs))
+        """The runs the next catch-up spans are merged from."""
         self.uploads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deltasync-upload")
 
     @classmethod
@@ -160,7 +165,7 @@ class VersionWriter:
         return cls(
             opened, commits, specs, codec=options.codec, level=options.level, format_version=options.format_version,
             part_bytes=options.part_bytes, anchor_every=options.anchor_every, anchor_ratio=options.anchor_ratio,
-            on_publish=options.on_publish, shard=shard,
+            max_span=options.max_span, on_publish=options.on_publish, shard=shard,
         )
 
     @property
@@ -288,6 +293,7 @@ class VersionWriter:
         numel = sum(s.numel for s in snapshot.specs)
         self.commits.commit_version(VersionEntry(version, step=step, time=time.time(), nnz=numel, anchor=refs), refs)
         self.snapshot = snapshot
+        self.spans = SpanLevels(self.spans.max_span, numel)  # a new chain (and, from a stream, maybe new specs)
         self.anchored(version)
         self.form = form
         t_upload = time.perf_counter() - t0 - t_encode
@@ -304,13 +310,69 @@ class VersionWriter:
         ref, t_encode = self.upload_delta(changes, version)
         entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
         self.commits.commit_version(entry, (ref,))
+        t_upload = time.perf_counter() - t0 - t_encode
+        due = self.spans.record(changes, version)  # before the snapshot moves past the changes' old values
         self.snapshot.advance(changes)
         self.since_anchor += ref.size
         self.form = form
-        t_upload = time.perf_counter() - t0 - t_encode
         self.report(version, step, "delta", changes.nnz, (ref,), t_diff, t_encode, t_upload, started, form, coalesced)
         if self.anchor_due(version):
             self.commit_anchor(version, step)
+        if due:
+            self.commit_spans(version, step, due)
+
+    def commit_spans(self, version: int, step: int | None, runs: list[Run]) -> None:
+        """Publish the catch-up spans of ``runs`` (all ending at the committed ``version``, shortest first) that
+        pay: each smaller than the cheapest route already listed from its base and than the newest anchor.
+
+        A span that fails is left out, with a warning: the version is committed, and the chain serves.
+        """
+        assert self.manifest is not None
+        t0 = time.perf_counter()
+        spans: list[Span] = []
+        t_encode, nnz = 0.0, 0
+        try:
+            for run in runs:
+                listed = self._with_spans(version, spans)
+                if listed.entry(run.base) is None:  # retired meanwhile: a span from it could not be listed
+                    continue
+                t1 = time.perf_counter()
+                data = encode_delta(
+                    run.change_set(self.specs), version=version, base_version=run.base, codec=SPAN_CODEC,
+                    level=self.level, packed=self.format_version >= PACKED_VERSION,
+                )
+                t_encode += time.perf_counter() - t1
+                route = plan_route(listed, run.base, target=version)
+                anchors = listed.anchors()
+                limit = min(route.nbytes if route is not None else len(data) + 1,
+                            anchors[-1].anchor_bytes if anchors else len(data) + 1)
+                if len(data) >= limit:
+                    logger.debug("span v%d->v%d not published: %d bytes, the listed route costs %d", run.base,
+                                 version, len(data), limit)
+                    continue
+                key = span_key(version, run.base, suffix=writer_suffix(self.commits.writer))
+                spans.append(Span(run.base, (self.upload(key, data),)))
+                nnz += run.nnz
+            if spans:
+                self.commits.attach_spans(version, tuple(spans))
+        except (ConflictError, FingerprintMismatch):
+            raise
+        except Exception as exc:  # the version stands; replicas take the chain
+            self.commits.discard([o for span in spans for o in span.objects])
+            logger.warning("catch-up spans to v%d not published: %s", version, exc)
+            return
+        if spans:
+            refs = tuple(o for span in spans for o in span.objects)
+            t_upload = time.perf_counter() - t0 - t_encode
+            self.report(version, step, "span", nnz, refs, 0.0, t_encode, t_upload, t0, self.form)
+
+    def _with_spans(self, version: int, spans: list[Span]) -> Manifest:
+        """The manifest as it would read with ``spans`` added to ``version``."""
+        assert self.manifest is not None
+        if not spans:
+            return self.manifest
+        return replace(self.manifest, versions=tuple(
+            e.with_spans(tuple(spans)) if e.version == version else e for e in self.manifest.versions))
 
     def commit_anchor(self, version: int, step: int | None) -> None:
         """Add an anchor of the snapshot to the committed ``version``, in a manifest write of its own."""

@@ -18,9 +18,11 @@ from ..format import ANCHOR_VERSION, DEFAULT_LEVEL, FORMAT_VERSION
 from ..protocol.manifest import RETIRE_GRACE_S
 from ..tensors import dtype_name
 from ..util.checks import check_int, check_number
+from .spans import MAX_SPAN
 
 __all__ = [
-    "ANCHOR_EVERY", "ANCHOR_RATIO", "KEEP_ANCHORS", "PART_BYTES", "LEASE_S", "RETIRE_GRACE_S", "PublishOptions",
+    "ANCHOR_EVERY", "ANCHOR_RATIO", "KEEP_ANCHORS", "MAX_SPAN", "PART_BYTES", "LEASE_S", "RETIRE_GRACE_S",
+    "PublishOptions",
     "check_options",
 ]
 
@@ -36,7 +38,7 @@ ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22  # zstd's own bounds (ZSTD_minCL
 def check_options(
     *, codec: str, level: int, dtype: torch.dtype | None, anchor_every: int, anchor_ratio: float,
     keep_anchors: int, part_bytes: int, lease_s: float, retire_grace_s: float, chunk: int | None,
-    on_publish: Callable[..., object] | None, format_version: int = FORMAT_VERSION,
+    on_publish: Callable[..., object] | None, format_version: int = FORMAT_VERSION, max_span: int = MAX_SPAN,
 ) -> None:
     """Refuse options that cannot work, naming the argument, before anything is read or written.
 
@@ -51,6 +53,7 @@ def check_options(
     check_int("level", level, low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
     for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors), ("part_bytes", part_bytes)):
         check_int(name, value, low=1)
+    check_int("max_span", max_span, low=0)
     if chunk is not None:  # None: the diff's default for the weights' device
         check_int("chunk", chunk, low=1)
     check_number("anchor_ratio", anchor_ratio)
@@ -91,6 +94,8 @@ class PublishOptions:
     """Elements the diff compares per step (``None``: the default for the weights' device)."""
     format_version: int = FORMAT_VERSION
     """File format of deltas."""
+    max_span: int = MAX_SPAN
+    """Longest catch-up span, in versions (0 or 1: none; sharded publishers write none)."""
     on_publish: Callable[..., object] | None = None
     """Called with each committed version's ``PublishInfo``."""
 
@@ -99,7 +104,7 @@ class PublishOptions:
             codec=self.codec, level=self.level, dtype=self.dtype, anchor_every=self.anchor_every,
             anchor_ratio=self.anchor_ratio, keep_anchors=self.keep_anchors, part_bytes=self.part_bytes,
             lease_s=self.lease_s, retire_grace_s=self.retire_grace_s, chunk=self.chunk, on_publish=self.on_publish,
-            format_version=self.format_version,
+            format_version=self.format_version, max_span=self.max_span,
         )
 
     @classmethod

@@ -48,7 +48,16 @@ from ..tensors import ChangeSet, TensorSpec, published_dtype, published_tensors
 from .diff import Snapshot, diff, diff_stream
 from .engine import OPEN_WAIT_S, Background, PublisherStats, PublishInfo, VersionWriter, close_publisher
 from .forms import Forms, smallest
-from .options import ANCHOR_EVERY, ANCHOR_RATIO, KEEP_ANCHORS, LEASE_S, PART_BYTES, RETIRE_GRACE_S, PublishOptions
+from .options import (
+    ANCHOR_EVERY,
+    ANCHOR_RATIO,
+    KEEP_ANCHORS,
+    LEASE_S,
+    MAX_SPAN,
+    PART_BYTES,
+    RETIRE_GRACE_S,
+    PublishOptions,
+)
 
 __all__ = ["Publisher", "PublishInfo", "PublisherStats", "ORPHAN_GRACE_S", "sweep_orphans"]
 
@@ -136,6 +145,9 @@ class Publisher(PublisherView):
             (``None``: 4 Mi elements for weights on the CPU, 32 Mi for weights on an accelerator).
         format_version (`int`, *optional*, defaults to 4): the file format of deltas; 3 (the plain header)
             keeps a fleet whose replicas are not yet upgraded reading them (docs/FORMAT.md, "Versions").
+        max_span (`int`, *optional*, defaults to 64): the longest catch-up span, in versions: at each version
+            ``v``, for every power of two ``2**j`` up to it that divides ``v``, one delta from ``v - 2**j`` where
+            it is smaller than the route it replaces (:mod:`deltasync.publish.spans`); 0 writes none.
         store_options: passed to :func:`open_store` when ``store`` is a URL.
 
     Example:
@@ -165,13 +177,15 @@ class Publisher(PublisherView):
         takeover: bool = False,
         chunk: int | None = None,
         format_version: int = FORMAT_VERSION,
+        max_span: int = MAX_SPAN,
         on_publish: Callable[[PublishInfo], None] | None = None,
         **store_options: Any,
     ) -> None:
         options = PublishOptions(
             codec=codec, level=level, dtype=dtype, anchor_every=anchor_every, anchor_ratio=anchor_ratio,
             keep_anchors=keep_anchors, part_bytes=part_bytes, lease_s=lease_s, retire_grace_s=retire_grace_s,
-            takeover=takeover, chunk=chunk, format_version=format_version, on_publish=on_publish,
+            takeover=takeover, chunk=chunk, format_version=format_version, max_span=max_span,
+            on_publish=on_publish,
         )
         if model is not None and not isinstance(model, (torch.nn.Module, Mapping)):
             raise ConfigError(

@@ -83,7 +83,8 @@ class Fetcher:
         now = time.monotonic()
         out = set()
         for entry in manifest.versions:
-            for kind, refs in (("delta", entry.delta), ("anchor", entry.anchor)):
+            listed = [("delta", entry.delta), ("anchor", entry.anchor), *(("delta", s.objects) for s in entry.spans)]
+            for kind, refs in listed:
                 for ref in refs:
                     claims = ((ref, entry.version, kind), (ref, None, None))
                     if any(self._bad.get(claim, 0.0) > now for claim in claims):
@@ -254,6 +255,10 @@ def _check_claim(ref: ObjectRef, header: Header, step: Step, previous_version: i
         raise VersionError(
             f"{ref.key} holds {header.kind} v{header.version}, manifest says {step.kind} v{step.version}",
             key=ref.key,
+        )
+    if step.kind == "delta" and header.base_version != step.base:
+        raise VersionError(
+            f"{ref.key} applies to v{header.base_version}, manifest says v{step.base}", key=ref.key,
         )
     if step.kind == "delta" and header.base_version != previous_version:
         raise VersionError(

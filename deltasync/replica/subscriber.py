@@ -70,7 +70,7 @@ class UpdateInfo:
     previous: int | None
     """The version held before."""
     route: tuple[str, ...]
-    """Kinds of the hops taken, e.g. ``("delta", "delta")`` or ``("anchor",)``."""
+    """Kinds of the hops taken, e.g. ``("delta", "delta")``, ``("anchor",)`` or ``("span", "delta")``."""
     bytes: int
     """Bytes downloaded."""
     t_fetch: float
@@ -461,7 +461,7 @@ class Subscriber:
         info = UpdateInfo(
             version=plan.target,
             previous=previous,
-            route=tuple(s.kind for s in plan.steps),
+            route=tuple(s.label for s in plan.steps),
             bytes=nbytes,
             t_fetch=max(0.0, time.perf_counter() - started - t_decode - t_apply),
             t_decode=t_decode,

@@ -11,7 +11,8 @@ __all__ = ["publish_metrics"]
 
 def publish_metrics(infos: Sequence[PublishInfo], version: int | None) -> dict[str, float]:
     """Averages over the deltas of ``infos`` (bytes, compression, sparsity, changed elements, diff and publish
-    seconds, coalesced publishes, the adapter form's share), the newest anchor's size, and ``version``."""
+    seconds, coalesced publishes, the adapter form's share), the newest anchor's size, what catch-up spans cost per
+    version, and ``version``."""
     out: dict[str, float] = {}
     if version is not None:
         out["deltasync/version"] = version
@@ -32,4 +33,8 @@ def publish_metrics(infos: Sequence[PublishInfo], version: int | None) -> dict[s
     anchors = [i for i in infos if i.kind == "anchor"]
     if anchors:
         out["deltasync/anchor_bytes"] = anchors[-1].bytes
+    spans = [i for i in infos if i.kind == "span"]
+    if spans and deltas:  # what catch-up spans cost the trainer, per version
+        out["deltasync/span_bytes"] = sum(i.bytes for i in spans) / len(deltas)
+        out["deltasync/span_s"] = sum(i.t_total for i in spans) / len(deltas)
     return out
