@@ -59,10 +59,10 @@ def main() -> None:
 
 
     from deltasync.appliers.vllm.follower import VLLMFollower
-    from deltasync.errors import DeltaSyncError
     from deltasync.appliers.vllm.rpc import ServerEngine
     from deltasync.appliers.vllm.server_follower import ServerFollower
     from deltasync.demo.models import smollm2_checkpoint
+    from deltasync.errors import DeltaSyncError
     from deltasync.publish.publisher import Publisher
     from tests.vllm_helpers import Trainer, assert_engine_exact, save_checkpoint, tiny_qwen3_moe
 
@@ -137,7 +137,9 @@ def main() -> None:
     if reload_failed is None:
         summary["full_reload"] = {
             "publish_to_serving_s": median([r["full_write_s"] + r["full_reload_s"] for r in steady]),
-            "update_s": median([r["full_reload_s"] for r in steady]), "bytes": median([r["full_bytes"] for r in steady])}
+            "update_s": median([r["full_reload_s"] for r in steady]),
+            "bytes": median([r["full_bytes"] for r in steady]),
+        }
     path = write_json(f"vllm_backend{'' if args.model == 'smollm2' else '_moe'}", {
         "machine": machine(), "model": args.model, "lr": lr, "steps": rows, "medians": summary,
         "full_reload_failed": reload_failed,

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "deltasync.replica": 6,
     "deltasync.appliers": 7,
     "deltasync.integrations": 8,
+    "deltasync.control": 8,
     "deltasync.demo": 8,
     "deltasync.cli": 9,
     "deltasync": 10,  # the package face re-exports from everywhere

@@ -90,7 +90,7 @@ class TestClient:
 
 
 class TestRoutesBelowTheNewest:
-    def test_a_replica_goes_to_exactly_the_version_asked_and_never_back(self, tmp_path: Any) -> None:
+    def test_a_replica_goes_to_exactly_the_version_asked_ahead_or_back(self, tmp_path: Any) -> None:
         import torch
 
         from deltasync import Publisher, Subscriber, TorchModuleApplier
@@ -107,8 +107,9 @@ class TestRoutesBelowTheNewest:
             assert info is not None and sub.version == 2 and replica["w"][:3].tolist() == [1.0, 1.0, 1.0]
             assert replica["w"][3] == 0
             assert sub.update(version=2) is None
-            with pytest.raises(errors.VersionError, match="only moves forward"):
-                sub.update(version=1)
+            info = sub.update(version=1)  # back: again from the anchor at or before it
+            assert info is not None and info.route[0] == "anchor" and sub.version == 1
+            assert replica["w"][:2].tolist() == [1.0, 1.0] and replica["w"][2] == 0
             with pytest.raises(errors.VersionError, match="not published"):
                 sub.update(version=9)
             assert sub.update(version=4) is not None and sub.version == 4 and replica["w"][4] == 1

@@ -232,6 +232,26 @@ class TestWatch:
         third = run("watch", url, "--model", str(ckpt), "--once", "--no-ack")
         assert third.returncode == 0 and "up to date at v4" in third.stdout
 
+    def test_a_pinned_checkpoint_goes_back_exactly_and_follows_at_most(self, trainer: Any, tmp_path: Path) -> None:
+        url, model, publisher, gen = trainer
+        bits = []
+        for step in range(5):
+            publish_steps(publisher, model, gen, range(step, step + 1))
+            bits.append(published_bits(model))
+        ckpt = tmp_path / "ckpt"
+        assert run("watch", url, "--model", str(ckpt), "--once", "--no-ack").returncode == 0
+        back = run("watch", url, "--model", str(ckpt), "--once", "--no-ack", "--version", "1")
+        assert back.returncode == 0, back.stderr
+        assert "v1 (step 1) from v4 via anchor" in back.stdout and state_of(ckpt)["version"] == 1
+        assert all(torch.equal(checkpoint_bits(ckpt)[n], t) for n, t in bits[1].items())
+        capped = run("watch", url, "--model", str(ckpt), "--once", "--no-ack", "--at-most", "3")
+        assert capped.returncode == 0 and "v3 (step 3) from v1" in capped.stdout and "anchor" not in capped.stdout
+        assert all(torch.equal(checkpoint_bits(ckpt)[n], t) for n, t in bits[3].items())
+        stays = run("watch", url, "--model", str(ckpt), "--once", "--no-ack", "--at-most", "2")
+        assert stays.returncode == 0 and "up to date at v3" in stays.stdout
+        both = run("watch", url, "--model", str(ckpt), "--once", "--version", "1", "--at-most", "2")
+        assert both.returncode == 2 and "not allowed with" in both.stderr
+
     def test_through_a_shared_cache(self, trainer: Any, tmp_path: Path) -> None:
         url, model, publisher, gen = trainer
         publish_steps(publisher, model, gen, range(3))

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from deltasync import Publisher
-from deltasync.appliers.vllm.rpc import ServerEngine, parse_version_label
+from deltasync.appliers.vllm.rpc import ServerEngine, parse_version_label, version_label
 from deltasync.appliers.vllm.server_follower import ServerFollower
 from deltasync.errors import IntegrityError, VersionError
 from deltasync.protocol.keys import MANIFEST_KEY
@@ -123,6 +123,7 @@ class TestServer:
         publisher.publish(0, block=True)
         publisher.flush()
         assert follower.update() is not None and follower.served == 0  # the anchor
+        held = {}
         for step in range(1, 4):
             trainer.step()
             publisher.publish(step, block=True)
@@ -131,7 +132,18 @@ class TestServer:
             assert update is not None and update.version == publisher.version
             run_id = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY)).run_id
             assert parse_version_label(ServerEngine(url).weight_version(), run_id) == publisher.version
+            held[update.version] = _checksums(url)
         assert follower.update() is None  # nothing newer
+        newest = follower.served
+        # Back to an exact version, bit for bit, then the newest up to one, over the standard endpoints.
+        assert follower.update(version=newest - 2) is not None and _checksums(url) == held[newest - 2]
+        assert _post(f"{url}/start_weight_update", {})[0] == 200
+        assert _post(f"{url}/update_weights", {"update_info": {"at_most": newest - 1}})[0] == 200
+        label = version_label(newest - 1, run_id)
+        assert _post(f"{url}/finish_weight_update", {"weight_version": label})[0] == 200
+        assert _checksums(url) == held[newest - 1] and ServerEngine(url).weight_version() == label
+        follower.served = newest - 1  # moved by the raw requests above, not by the follower
+        assert follower.update(version=newest) is not None and _checksums(url) == held[newest]
         served, checksums = _complete(url), _checksums(url)
         reference = save_checkpoint(trainer.bf16(), run["model"], run["root"] / "reference")
         with backend_server(reference, run["root"] / "reference.log") as fresh:
@@ -146,6 +158,7 @@ class TestServer:
             ({"version": "newest"}, 400, "ConfigError"),
             ({"versoin": 3}, 400, "ConfigError"),
             ({"version": -1}, 400, "ConfigError"),
+            ({"version": 1, "at_most": 2}, 400, "ConfigError"),
             ({"version": (publisher.version or 0) + 50}, 409, "VersionError"),
         ):
             assert _post(f"{url}/start_weight_update", {})[0] == 200
@@ -172,12 +185,13 @@ class TestServer:
         publisher.publish(99, block=True)
         publisher.flush()
         manifest = Manifest.from_bytes(open_store(store).get(MANIFEST_KEY))
-        key = manifest.entry(manifest.latest).delta[0].key
-        path = Path(store) / key
-        data = bytearray(path.read_bytes())
-        data[-3] ^= 0xFF
-        os.chmod(path, 0o644)
-        path.write_bytes(bytes(data))
+        newest = manifest.entry(manifest.latest)
+        for ref in newest.delta + tuple(o for span in newest.spans for o in span.objects):  # whichever route
+            path = Path(store) / ref.key
+            data = bytearray(path.read_bytes())
+            data[-3] ^= 0xFF
+            os.chmod(path, 0o644)
+            path.write_bytes(bytes(data))
         with pytest.raises(IntegrityError):
             follower.update()
         assert _checksums(url) == before and _complete(url) == served  # untouched, still serving

@@ -5,6 +5,7 @@
     deltasync gc URL [--dry-run] [--grace SECONDS]     delete retired objects and orphans of crashed publishes
     deltasync watch URL --model DIR [--once]           keep a safetensors checkpoint directory at the latest version
     deltasync follow --store URL --server URL [--model DIR]   keep a vLLM server at the latest version
+    deltasync rollback URL --to R [--takeover]         publish a version equal to R, retracting those after R
     deltasync demo                                      the main job: train, publish, follow, end to end
 
 ``FILE`` is a local path, or a store URL plus a key (``s3://bucket/run1/deltas/000007.safetensors``
@@ -12,7 +13,8 @@ is read through the S3 backend). ``URL`` is a run prefix as the publisher was gi
 come from the environment, and store URLs are printed without user info or query strings.
 Exit code 0 on success, 2 on anything deltasync refuses (a bad file, no manifest, a rejected update).
 
-Each command lives in its own module (:mod:`.inspect`, :mod:`.status`, :mod:`.gc`, :mod:`.watch`, :mod:`.follow`)
+Each command lives in its own module (:mod:`.inspect`, :mod:`.status`, :mod:`.gc`, :mod:`.watch`, :mod:`.follow`,
+:mod:`.rollback`)
 with an ``add_parser`` that registers it and a ``run`` that executes it; ``deltasync demo`` is
 :mod:`deltasync.demo`, hooked in here.
 """
@@ -26,14 +28,14 @@ from collections.abc import Sequence
 
 from ..errors import DeltaSyncError
 from ..util.collector import allow_pauses
-from . import follow, gc, inspect, status, watch
+from . import follow, gc, inspect, rollback, status, watch
 from .common import safe_url
 from .inspect import describe
 from .status import collect_status
 
 __all__ = ["build_parser", "collect_status", "describe", "main", "safe_url"]
 
-_COMMANDS = (inspect, status, gc, watch, follow)
+_COMMANDS = (inspect, status, gc, watch, follow, rollback)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import ObjectNotFound, StoreError
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from ..stores import Store
 
 __all__ = [
-    "Column", "format_duration", "format_size", "load_manifest", "open_existing", "print_json", "print_table",
-    "safe_url",
+    "Column", "add_pin_arguments", "format_duration", "format_size", "load_manifest", "open_existing", "pin",
+    "print_json", "print_table", "safe_url",
 ]
 
 
@@ -150,3 +150,20 @@ def _line(columns: Sequence[Column], cells: Sequence[object]) -> str:
         f"{cell!s:{column.align}{column.width or ''}}" + ("" if i == last else " " * column.gap)
         for i, (column, cell) in enumerate(zip(columns, cells))
     )
+
+
+def add_pin_arguments(parser: Any) -> None:
+    """``--version V`` (exactly that version, ahead or back) and ``--at-most V`` (the newest up to it)."""
+    pinned = parser.add_mutually_exclusive_group()
+    pinned.add_argument("--version", type=int, default=None, metavar="V",
+                        help="go to exactly version V (ahead of the one held, or back) and stay there")
+    pinned.add_argument("--at-most", type=int, default=None, metavar="V",
+                        help="follow the newest version up to V, then stay")
+
+
+def pin(replica: Any, args: Any) -> None:
+    """Pin ``replica`` (a subscriber or a server follower) as ``args`` say (:func:`add_pin_arguments`)."""
+    if args.version is not None:
+        replica.go_to(args.version)
+    elif args.at_most is not None:
+        replica.follow(at_most=args.at_most)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..publish.lora import LORA_NAME
+from .common import add_pin_arguments, pin
 
 logger = logging.getLogger("deltasync.vllm")
 
@@ -48,6 +49,7 @@ def add_parser(sub: Any) -> None:
     follow.add_argument("--lora-name", default=LORA_NAME, help="the name clients ask for (model=...)")
     follow.add_argument("--wait-for-server", type=float, default=600.0, metavar="SECONDS",
                         help="how long to wait for the server to come up (default 600; 0: fail at once)")
+    add_pin_arguments(follow)
     follow.set_defaults(func=run)
 
 
@@ -75,6 +77,7 @@ def _follow_with_the_backend(args: argparse.Namespace) -> int:
         args.server, args.store, mode=args.mode, pause_mode=args.pause_mode, init_info=init_info,
         poll_interval=args.poll_interval, max_poll_interval=args.max_poll_interval,
     )
+    pin(follower, args)
     try:
         if args.once:
             follower.update()
@@ -109,6 +112,7 @@ def _follow_with_the_extension(args: argparse.Namespace) -> int:
         max_poll_interval=args.max_poll_interval,
         **({"cache_dir": args.cache_dir} if args.cache_dir else {}),
     )
+    pin(sub, args)
     with sub:
         try:
             if args.once:

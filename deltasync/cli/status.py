@@ -58,6 +58,7 @@ def collect_status(
         "latest": None if latest is None else _version_row(latest, manifest.numel, now),
         "anchors": [{"version": e.version, "bytes": e.anchor_bytes, "parts": len(e.anchor)} for e in manifest.anchors()],
         "versions_listed": len(manifest.versions),
+        "retracted": sorted(manifest.retracted()),
         "delta_bytes": sizes["delta_bytes"],
         "anchor_bytes": sizes["anchor_bytes"],
         "span_bytes": sizes["span_bytes"],
@@ -129,9 +130,13 @@ def _print_status(info: dict[str, Any], now: float) -> None:
     print(f"anchors    {anchors}")
     print(
         f"stored     {info['versions_listed']} version{'' if info['versions_listed'] == 1 else 's'}: deltas {format_size(info['delta_bytes'])}, anchors "
-        f"{format_size(info['anchor_bytes'])}, total {format_size(info['total_bytes'])}; "
+        f"{format_size(info['anchor_bytes'])}, spans {format_size(info['span_bytes'])}, "
+        f"total {format_size(info['total_bytes'])}; "
         f"{info['retired_pending']} retired objects pending deletion"
     )
+    if info["retracted"]:
+        shown = ", ".join(f"v{v}" for v in info["retracted"][:10]) + (" ..." if len(info["retracted"]) > 10 else "")
+        print(f"retracted  {shown} (taken back by a rollback; still listed)")
     if info["leftovers"]:
         print(
             f"leftovers  {info['leftovers']} objects ({format_size(info['leftover_bytes'])}) that no manifest names: "

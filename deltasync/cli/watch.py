@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ObjectNotFound, VersionError
 from ..util.signals import run_until_signal
-from .common import load_manifest, open_existing, safe_url
+from .common import add_pin_arguments, load_manifest, open_existing, pin, safe_url
 
 if TYPE_CHECKING:
     from ..replica.subscriber import Subscriber, UpdateInfo
@@ -46,6 +46,7 @@ def add_parser(sub: Any) -> None:
         "checkpoint BASE, so transformers or vLLM can load the directory",
     )
     watch.add_argument("--no-ack", action="store_true", help="do not write acks/<replica>.json")
+    add_pin_arguments(watch)
     watch.add_argument(
         "--cache-dir", default=None,
         help="share downloaded objects with other replicas on this machine through this directory",
@@ -83,6 +84,7 @@ def _watch(args: argparse.Namespace, directory: Path, replica: str, stop: thread
     )
     sub.add_hook(applier.recorder(sub))
     sub.add_hook(_print_update)
+    pin(sub, args)
     where = (
         f"v{resume['start_version']} of run {resume['run_id'][:8]}"
         if resume

@@ -183,6 +183,9 @@ class VersionEntry:
     """Anchor object(s): the full weights at ``version``, split in parts."""
     spans: tuple[Span, ...] = ()
     """Catch-up spans to this version from older ones, by ascending length (schema 4)."""
+    restores: int | None = None
+    """A rollback: this version's weights equal version ``restores``'s, and the versions after that one and
+    before this one are retracted (:func:`deltasync.publish.rollback.rollback`)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.version, 0, MAX_VERSION):
@@ -204,6 +207,10 @@ class VersionEntry:
             )
         if any(not span.objects for span in self.spans):
             raise ManifestError(f"a span of version {self.version} lists no object", version=self.version)
+        restores = self.restores
+        if restores is not None and not (_is_int(restores, 0, MAX_VERSION) and restores <= self.version - 2):
+            raise ManifestError(f"version {self.version} restores {self.restores!r}: a rollback restores a version at "
+                                "least 2 below it", version=self.version)
 
     @property
     def delta_bytes(self) -> int:
@@ -237,6 +244,8 @@ class VersionEntry:
             out["anchor"] = [o.to_json() for o in self.anchor]
         if self.spans:
             out["spans"] = [span.to_json() for span in self.spans]
+        if self.restores is not None:
+            out["restores"] = self.restores
         return out
 
     @classmethod
@@ -252,6 +261,7 @@ class VersionEntry:
             delta=refs["delta"],
             anchor=refs["anchor"],
             spans=tuple(Span.from_json(span) for span in _list(raw.get("spans", []), "spans")),
+            restores=None if raw.get("restores") is None else _int(raw.get("restores"), "restores"),
         )
 
 
@@ -338,6 +348,10 @@ class Manifest:
     def anchors(self) -> list[VersionEntry]:
         """Versions that have an anchor, ascending."""
         return [v for v in self.versions if v.anchor]
+
+    def retracted(self) -> set[int]:
+        """Versions a later rollback took back (:attr:`VersionEntry.restores`): listed, never rewritten."""
+        return {v for e in self.versions if e.restores is not None for v in range(e.restores + 1, e.version)}
 
     def with_version(self, entry: VersionEntry, *, now: float, lease_s: float) -> Manifest:
         """A copy with ``entry`` appended and the lease renewed."""
@@ -497,20 +511,19 @@ def plan_route(
     default).
 
     A route starts at ``current`` or at an anchor after it (at or before the target) and moves forward by deltas
-    (one version) and spans (from a span's base to its version); it never goes back. Objects in ``avoid`` (keys
-    that failed verification) are never used.
+    (one version) and spans (from a span's base to its version). A target behind ``current`` is reached the only
+    way files allow: again from an anchor at or before it. Objects in ``avoid`` (keys that failed verification)
+    are never used.
 
     Returns:
-        `Plan`, or ``None`` when the target is unreachable: no usable anchor, a target the manifest does
-        not list, or one behind ``current`` (going back is not a route).
+        `Plan`, or ``None`` when the target is unreachable: no usable anchor, or a target the manifest does
+        not list.
     """
     latest = manifest.latest if target is None else target
     if latest is None or manifest.latest is None or manifest.entry(latest) is None:
         return None
     if current == latest:
         return Plan(current, latest)
-    if target is not None and current is not None and current > target:
-        return None
     bad = set(avoid)
     usable = lambda refs: bool(refs) and not any(o.key in bad for o in refs)  # noqa: E731
     # Hops out of each version: the delta to the next one, and every span that starts there.

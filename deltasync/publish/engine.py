@@ -301,14 +301,15 @@ class VersionWriter:
 
     def commit_delta(
         self, changes: ChangeSet, step: int | None, started: float, t_diff: float, coalesced: int,
-        form: str | None = None,
+        form: str | None = None, restores: int | None = None,
     ) -> None:
-        """Commit ``changes`` as the next version, then an anchor of it when one is due."""
+        """Commit ``changes`` as the next version (a rollback's, with ``restores``), then an anchor of it when
+        one is due."""
         assert self.manifest is not None and self.snapshot is not None
         version = self.next_version()
         t0 = time.perf_counter()
         ref, t_encode = self.upload_delta(changes, version)
-        entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,))
+        entry = VersionEntry(version, step=step, time=time.time(), nnz=changes.nnz, delta=(ref,), restores=restores)
         self.commits.commit_version(entry, (ref,))
         t_upload = time.perf_counter() - t0 - t_encode
         due = self.spans.record(changes, version)  # before the snapshot moves past the changes' old values

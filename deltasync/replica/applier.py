@@ -55,6 +55,12 @@ class Applier(ABC):
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write a version's validated patches; every check has passed before this is called."""
 
+    def restore(self, patches: Mapping[str, Decoded], run_id: str | None, version: int | None) -> None:
+        """Write back the values an interrupted or undone apply overwrote (:mod:`deltasync.replica.undo`): the
+        weights are then exactly ``version`` of ``run_id`` again. Writes them as :meth:`apply` does here; an
+        applier that records its version (a checkpoint directory) records this one."""
+        self.apply(patches)
+
     def accept_route(self, plan: Plan) -> None:
         """Called with each route before its first download; raise a :class:`DeltaSyncError` to refuse it
         (nothing of it is then fetched). Accepts every route here."""

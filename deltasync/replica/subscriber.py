@@ -49,9 +49,11 @@ from ..util.collector import collector_paused
 from .applier import Applier
 from .cache import open_cached
 from .fetch import BAD_AFTER, BAD_RETRY_S, Fetcher
+from .pins import Pin, check_version
 from .ranged import Fetched
+from .undo import UNDO_BYTES, UndoEntry, UndoLog
 
-__all__ = ["Subscriber", "UpdateInfo", "Applier", "read_acks", "ACK_TTL_S", "BAD_AFTER", "BAD_RETRY_S"]
+__all__ = ["Subscriber", "UpdateInfo", "Pin", "Applier", "read_acks", "ACK_TTL_S", "BAD_AFTER", "BAD_RETRY_S"]
 
 logger = logging.getLogger("deltasync.subscriber")
 
@@ -91,6 +93,8 @@ class SubscriberStats:
     polls: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     last_error: str | None = None
+    restored: int = 0
+    """Applies that failed midway and whose overwritten values were written back."""
 
 
 class Subscriber:
@@ -114,6 +118,9 @@ class Subscriber:
             byte range, just the selected tensors, each verified against the hash its header lists
             (:mod:`deltasync.replica.ranged`); objects written without those hashes are downloaded whole.
             The other tensors are left as they are.
+        undo_bytes (`int`, *optional*, defaults to 64 MiB): what the newest applies overwrote, kept for
+            :meth:`undo` (:mod:`deltasync.replica.undo`). An apply is all or nothing whatever this is: a
+            delta's overwritten values are read before it is written, and written back if a write fails.
         cache_dir (`str`, *optional*): read the run's objects through a cache in this directory, shared by
             the node's replicas that name it (:class:`~deltasync.replica.cache.CachedStore`, docs/FLEET.md).
         cache_max_bytes (`int`, *optional*): that cache's size cap (its own default when unset).
@@ -142,6 +149,7 @@ class Subscriber:
         start_version: int | None = None,
         run_id: str | None = None,
         only: Collection[str] | Callable[[str], bool] | None = None,
+        undo_bytes: int = UNDO_BYTES,
         **store_options: Any,
     ) -> None:
         _check_options(applier, poll_interval, max_poll_interval, fetch_workers, on_update, start_version, run_id)
@@ -173,6 +181,9 @@ class Subscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._following = False  # a loop (run) polls the store, or start() is about to begin one
+        self._pin = Pin("follow")
+        check_int("undo_bytes", undo_bytes, low=0)
+        self._undo = UndoLog(undo_bytes)
         self._apply_lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
@@ -196,6 +207,25 @@ class Subscriber:
     def latest(self) -> int | None:
         """The newest version seen in the manifest."""
         return self._manifest.latest if self._manifest else None
+
+    @property
+    def pin(self) -> Pin:
+        """Where updates go without an explicit version: the newest (the default), at most a version, exactly
+        one, or nowhere (hold)."""
+        return self._pin
+
+    def follow(self, at_most: int | None = None) -> None:
+        """Follow the newest version, or the newest up to ``at_most`` (never back: a replica past it stays)."""
+        self._pin = Pin("follow" if at_most is None else "at-most", check_version("at_most", at_most))
+
+    def hold(self) -> None:
+        """Stay at the version held: polls still read the manifest, nothing is applied until :meth:`follow` or
+        :meth:`go_to`."""
+        self._pin = Pin("hold")
+
+    def go_to(self, version: int) -> None:
+        """Go to exactly ``version`` at the next update (ahead or back) and stay there."""
+        self._pin = Pin("exact", check_version("version", version, optional=False))
 
     def add_hook(self, hook: Callable[[UpdateInfo], None]) -> None:
         """Call ``hook(info)`` after every update."""
@@ -315,32 +345,38 @@ class Subscriber:
     def update(self, version: int | None = None) -> UpdateInfo | None:
         """Like :meth:`poll` but raises typed errors instead of counting them.
 
+        Without ``version`` the subscriber's pin decides where to go (:meth:`follow`, :meth:`hold`,
+        :meth:`go_to`; the newest version by default).
+
         Args:
-            version (`int`, *optional*): go to exactly this version instead of the newest: one the manifest
-                lists, not behind the version held.
+            version (`int`, *optional*): go to exactly this version, one the manifest lists, ahead of the version
+                held or behind it (back by an anchor at or before it), whatever the pin.
 
         Raises:
-            `VersionError`: no usable route, or ``version`` is not published (yet), no longer listed, or
-                behind the version held.
+            `VersionError`: no usable route, or the version asked for is not published (yet) or no longer
+                listed.
         """
         with self._apply_lock:
             manifest = self._read_manifest()
+            exact = version if version is not None else self._pin.exact
             if manifest is None or manifest.latest is None:
-                if version is not None:
-                    raise VersionError(f"nothing is published at {self.store.url} yet: version {version} is not "
+                if exact is not None:
+                    raise VersionError(f"nothing is published at {self.store.url} yet: version {exact} is not "
                                        "there", current=self._version, latest=None)
                 self._note_waiting(manifest is None)
                 return None
-            target = manifest.latest if version is None else version
             current = self._held(manifest)
-            if current == target:
+            target = exact if exact is not None else self._pin.target(manifest.latest, current)
+            if target is None or current == target:
                 return None
-            if version is not None:
-                self._check_target(manifest, version, current)
+            if exact is not None:
+                self._check_target(manifest, exact, current)
             plan = plan_route(manifest, current, avoid=self._fetcher.avoided(manifest), target=target)
             if plan is None:
+                back = (" (going back starts again from an anchor at or before it; the oldest listed is "
+                        f"v{manifest.versions[0].version})") if current is not None and target < current else ""
                 raise VersionError(
-                    f"no usable route from version {current} to {target} in {self.store.url}",
+                    f"no usable route from version {current} to {target} in {self.store.url}{back}",
                     current=current,
                     latest=manifest.latest,
                 )
@@ -364,9 +400,6 @@ class Subscriber:
             oldest = manifest.versions[0].version if manifest.versions else None
             raise VersionError(f"version {version} is no longer listed at {self.store.url} (retention keeps "
                                f"{oldest} to {manifest.latest})", current=current, latest=manifest.latest)
-        if current is not None and current > version:
-            raise VersionError(f"this replica holds version {current}, newer than {version}: a replica only "
-                               "moves forward", current=current, latest=manifest.latest)
 
     def _note_waiting(self, empty: bool) -> None:
         """Say, once and then every :data:`WAITING_LOG_S`, that nothing has been published yet."""
@@ -437,16 +470,17 @@ class Subscriber:
                     del headers
                 t1 = time.perf_counter()
                 refused = None
-                try:
-                    with record_function("deltasync.apply"):
-                        if decoded is None:
+                with record_function("deltasync.apply"):
+                    if decoded is None:
+                        self._undo.clear()  # written where the weights live: nothing here to undo it with
+                        try:
                             refused = self.applier.apply_files(step.kind, blobs)
-                        else:
-                            self.applier.apply(decoded)
-                except BaseException:
-                    # Weights may be partly written: only an anchor can make them whole again.
-                    self._set_version(None, None)
-                    raise
+                        except BaseException:
+                            # Weights may be partly written: only an anchor can make them whole again.
+                            self._set_version(None, None)
+                            raise
+                    else:
+                        self._apply_all_or_nothing(decoded, step.version)
             if refused is not None:  # the applier's own checks failed before any write: its version stands
                 self._fetcher.refuse(step)
                 raise refused
@@ -479,6 +513,79 @@ class Subscriber:
         if self.ack:
             self._write_ack(info)
         return info
+
+    def _apply_all_or_nothing(self, decoded: dict[str, Decoded], version: int) -> None:
+        """Write one version's patches; if a write fails midway, write back what they overwrote (the replica
+        stays at the version it held), or, where that was not kept (an anchor beyond ``undo_bytes``), mark the
+        replica as needing an anchor. Raises the write's error either way."""
+        undo = self._undo.capture(self.applier, decoded, run_id=self._run_id, previous=self._version,
+                                  version=version)
+        try:
+            self.applier.apply(decoded)
+        except BaseException as exc:
+            if undo is not None and self._restore(undo, exc):
+                raise
+            self._set_version(None, None)  # partly written: only an anchor can make the weights whole again
+            raise
+        if undo is not None:
+            self._undo.keep(undo)
+
+    def _restore(self, undo: UndoEntry, error: BaseException) -> bool:
+        """Write back the values ``undo`` holds after ``error`` interrupted a write; whether that succeeded."""
+        try:
+            self.applier.restore(undo.patches, undo.run_id, undo.previous)
+        except BaseException:
+            logger.exception("replica %s: could not restore v%s after a failed write; it needs an anchor",
+                             self.replica_id, undo.previous)
+            return False
+        self.stats.restored += 1
+        logger.warning("replica %s: writing v%d failed (%s: %s); the values it overwrote are back, v%s stands",
+                       self.replica_id, undo.version, type(error).__name__, error, undo.previous)
+        return True
+
+    def undo(self, steps: int = 1) -> int | None:
+        """Take back the last ``steps`` applies from the undo log, without the store, and hold there.
+
+        The log keeps what the newest applies overwrote, within ``undo_bytes``. The replica then holds the
+        version it reached (:meth:`follow` or :meth:`go_to` moves it again).
+
+        Returns:
+            The version now held.
+
+        Raises:
+            `VersionError`: the log does not reach that far back (nothing is taken back then).
+        """
+        check_int("steps", steps, low=1)
+        with self._apply_lock:
+            entries = list(self._undo.entries)[-steps:]
+            chain = [(self._run_id, self._version)] + [(e.run_id, e.previous) for e in reversed(entries)]
+            if len(entries) < steps or any((e.run_id, e.version) != chain[i]
+                                           for i, e in enumerate(reversed(entries))):
+                raise VersionError(
+                    f"replica {self.replica_id} can take back {self._undoable()} applies from v{self._version}, not "
+                    f"{steps}: its undo log keeps the newest applies within undo_bytes={self._undo.max_bytes:,}",
+                    current=self._version, latest=self.latest)
+            self.hold()
+            for _ in range(steps):
+                entry = self._undo.pop()
+                assert entry is not None
+                try:
+                    self.applier.restore(entry.patches, entry.run_id, entry.previous)
+                except BaseException:
+                    self._set_version(None, None)
+                    raise
+                self._set_version(entry.run_id, entry.previous)
+            logger.info("replica %s: took back %d applies, holds v%s", self.replica_id, steps, self._version)
+            return self._version
+
+    def _undoable(self) -> int:
+        """How many of the newest applies the undo log can take back from the version held."""
+        count, at = 0, (self._run_id, self._version)
+        for entry in reversed(self._undo.entries):
+            if (entry.run_id, entry.version) != at:
+                break
+            count, at = count + 1, (entry.run_id, entry.previous)
+        return count
 
     def _held(self, manifest: Manifest) -> int | None:
         return self._version if manifest.run_id == self._run_id else None

@@ -158,6 +158,14 @@ class CheckpointDirApplier(Applier):
             )
         # An anchor may start another run: the run is recorded by record_run() once known.
         run_id = self.state.run_id if kind == "delta" and self.state is not None else None
+        self._write(decoded, run_id, version)
+
+    def restore(self, patches: Mapping[str, Decoded], run_id: str | None, version: int | None) -> None:
+        """Write back what an interrupted or undone apply overwrote, and record ``version`` of ``run_id``."""
+        self._write(patches, run_id, version)
+
+    def _write(self, decoded: Mapping[str, Decoded], run_id: str | None, version: int | None) -> None:
+        """Write patches into the files and flush them, the state marked torn until the last one is down."""
         self._write_state(CheckpointState(run_id, version, clean=False))
         for name, patch in decoded.items():
             view = self._files.views[name]

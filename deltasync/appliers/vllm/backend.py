@@ -13,7 +13,8 @@ Round trip:
   directory, the version it already holds). Each rank builds its index map from the engine's loaders and
   proves it against the checkpoint the engine loaded before it reports ready (invariant 8); a run of
   another model is refused here.
-- ``update_info`` (:class:`DeltaSyncUpdateInfo`): the version to reach (the newest when absent). Each
+- ``update_info`` (:class:`DeltaSyncUpdateInfo`): the version to reach, ahead of the one served or behind it
+  (the newest when absent, or the newest up to ``at_most``). Each
   rank reads the manifest, plans the cheapest route from what it holds, downloads the route's objects,
   checks every size, digest and header, decodes against its own weights (a tensor-parallel engine's ranks
   exchange the bases of the changed elements, so every rank checks every value digest), and only when
@@ -142,12 +143,19 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     """Which version to reach (``update_info`` of ``/update_weights``)."""
 
     version: int | None = None
-    """The version to hold after the update: published, not older than the one held (``None``: the newest)."""
+    """The version to hold after the update, ahead of the one held or behind it (``None``: the newest)."""
+    at_most: int | None = None
+    """Without ``version``: the newest version up to this one (an engine past it stays where it is)."""
 
     def __post_init__(self) -> None:
-        _require("version", self.version, (int,))
-        if self.version is not None and self.version < 0:
-            raise ConfigError(f"version must be >= 0, not {self.version}", argument="version")
+        for name in ("version", "at_most"):
+            value = getattr(self, name)
+            _require(name, value, (int,))
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, not {value}", argument=name)
+        if self.version is not None and self.at_most is not None:
+            raise ConfigError("give version (exactly that one) or at_most (the newest up to it), not both",
+                              argument="at_most")
 
 
 class RankReplica(Applier):
@@ -373,8 +381,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         replica = self.replica
         replica.begin()
         try:
-            target = self._agreed_target(update_info.version)
-            if target is not None or replica.group is None:
+            target = self._agreed_target(update_info.version, update_info.at_most)
+            held = self.subscriber.version
+            if update_info.at_most is not None and (target is None or (held is not None and held >= target)):
+                self.last_update = None  # nothing published up to it yet, or already there or past it
+            elif target is not None or replica.group is None:
                 self.last_update = self.subscriber.update(version=target)
         except BaseException as exc:
             replica.fail(exc)  # the other ranks wait for this rank's word: they stop with it
@@ -384,18 +395,23 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.last_update is not None:
             self._written = True
 
-    def _agreed_target(self, version: int | None) -> int | None:
-        """The version every rank goes to: ``version``, or the newest all of them saw (``None``: none published)."""
+    def _agreed_target(self, version: int | None, at_most: int | None = None) -> int | None:
+        """The version every rank goes to: ``version``, or the newest all of them saw, up to ``at_most`` (``None``:
+        none published)."""
         replica = self.replica
         assert replica is not None and self.subscriber is not None
-        if version is not None or replica.group is None:
+        if version is not None:
             return version
+        if replica.group is None and at_most is None:
+            return None
         try:
             latest = Manifest.from_bytes(self.subscriber.store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES)).latest
         except ObjectNotFound:
             latest = None
-        seen = replica.exchange(latest)
-        return None if None in seen else min(seen)
+        seen = replica.exchange(latest) if replica.group is not None else [latest]
+        if None in seen:
+            return None
+        return min(seen) if at_most is None else min(*seen, at_most)
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: every write was read back in :meth:`receive_weights`."""

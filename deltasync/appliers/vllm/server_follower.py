@@ -32,6 +32,7 @@ from typing import Any, Literal
 from ...errors import DeltaSyncError, ObjectNotFound
 from ...protocol.keys import MANIFEST_KEY
 from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest
+from ...replica.pins import Pin, check_version
 from ...stores import Store, open_store
 from .rpc import ServerEngine, parse_version_label, version_label
 
@@ -97,10 +98,24 @@ class ServerFollower:
         """The version the server holds, as of the last round trip (or the label it reported at start)."""
         self.last_error: DeltaSyncError | None = None
         self.updates: list[ServerUpdate] = []
+        self.pin = Pin("follow")
+        """Where :meth:`update` goes without a version (:meth:`follow`, :meth:`hold`, :meth:`go_to`)."""
         self._etag: str | None = None
         self._manifest: Manifest | None = None
         self._refused: set[int] = set()  # versions refused since the manifest last changed
         self._initialised = False
+
+    def follow(self, at_most: int | None = None) -> None:
+        """Follow the newest version, or the newest up to ``at_most`` (a server past it stays)."""
+        self.pin = Pin("follow" if at_most is None else "at-most", check_version("at_most", at_most))
+
+    def hold(self) -> None:
+        """Keep the version served until :meth:`follow` or :meth:`go_to`."""
+        self.pin = Pin("hold")
+
+    def go_to(self, version: int) -> None:
+        """Serve exactly ``version`` (ahead of the one served or behind it) from the next update on."""
+        self.pin = Pin("exact", check_version("version", version, optional=False))
 
     def initialise(self) -> None:
         """Tell the server's backend which store to follow (``/init_weight_transfer_engine``), once."""
@@ -118,7 +133,8 @@ class ServerFollower:
             return None
 
     def update(self, version: int | None = None) -> ServerUpdate | None:
-        """Have the server apply ``version`` (the newest when ``None``); ``None`` when it holds it already.
+        """Have the server apply ``version`` (without one, where :attr:`pin` says: the newest by default); ``None``
+        when it holds it already.
 
         Raises:
             `DeltaSyncError`: the typed refusal the server answered with (its weights untouched), or an
@@ -129,8 +145,9 @@ class ServerFollower:
         manifest = self._read_manifest()
         if manifest is None or manifest.latest is None:
             return None
-        target = manifest.latest if version is None else version
-        if self.served == target or (version is None and target in self._refused):
+        version = version if version is not None else self.pin.exact
+        target = self.pin.target(manifest.latest, self.served) if version is None else version
+        if target is None or self.served == target or (version is None and target in self._refused):
             return None
         label = version_label(target, manifest.run_id)
         started = time.perf_counter()
