@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from check import digests  # noqa: E402
 
 from deltasync import Publisher  # noqa: E402
+from deltasync.control import rollback  # noqa: E402
 from deltasync.format import header_ref, raw_header, read_header  # noqa: E402
 from deltasync.format.digests import hasher, hexdigest  # noqa: E402
 from deltasync.format.layout import pack  # noqa: E402
@@ -267,9 +268,13 @@ def spans_case(root: Path) -> None:
         steps.append(lambda k=k: (nudge(weights["half.weight"], range(k * 5, 1200, 31)),
                                   nudge(weights["brain.weight"], range(k, 1024, 97)),
                                   nudge(weights["single.weight"], [k, 999 - k])))
-    write_case(root, weights, run(root, weights, steps, anchor_every=1000, max_span=4))
+    versions = run(root, weights, steps, anchor_every=1000, max_span=4)
+    done = rollback(str(root / "store"), 6, step=9)  # v9 restores v6: an ordinary delta, marked
+    versions[str(done.version)] = versions["6"]
+    write_case(root, weights, versions)
     manifest = json.loads((root / "store" / "manifest.json").read_text())
     assert manifest["schema"] == 4 and len(manifest["versions"][8].get("spans", [])) > 1  # the broken copies' span
+    assert manifest["versions"][9]["restores"] == 6
 
 
 def broken_spans(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
@@ -300,6 +305,11 @@ def broken_spans(out: Path, source: Path, only: tuple[str, ...] | None = None) -
     def other_base(store: Path) -> None:
         edit(store, lambda v: v["spans"][-1].update({"from": longest["from"] + 1}))
 
+    def restores_previous(store: Path) -> None:
+        stored = json.loads((store / "manifest.json").read_text())
+        stored["versions"][9]["restores"] = 8
+        (store / "manifest.json").write_text(json.dumps(stored, indent=1, ensure_ascii=False))
+
     def from_previous(store: Path) -> None:
         delta = dict(entry["delta"][0], key=entry["delta"][0]["key"].replace("deltas/", "spans/", 1))
         (store / delta["key"]).parent.mkdir(exist_ok=True)
@@ -310,6 +320,8 @@ def broken_spans(out: Path, source: Path, only: tuple[str, ...] | None = None) -
          "digest; the chain is intact", flip)
     make("span-other-base", "VersionError", "the manifest lists version 8's longest span one version later than "
          "the base its files name", other_base, span_from=longest["from"] + 1)
+    make("restores-previous", "ManifestError", "version 9 says it restores version 8, the one before it (a "
+         "rollback restores a version at least two back)", restores_previous, version=-1, span_from=None)
     make("span-from-previous", "ManifestError", "version 8 lists a span from version 7 (a span starts at least "
          "two versions back), a copy of its own delta under a key of its own", from_previous, version=-1,
          span_from=None)

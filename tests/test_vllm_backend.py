@@ -27,6 +27,7 @@ import torch
 from deltasync import Publisher
 from deltasync.appliers.vllm.rpc import ServerEngine, parse_version_label, version_label
 from deltasync.appliers.vllm.server_follower import ServerFollower
+from deltasync.control import rollback
 from deltasync.errors import IntegrityError, VersionError
 from deltasync.protocol.keys import MANIFEST_KEY
 from deltasync.protocol.manifest import Manifest
@@ -149,6 +150,10 @@ class TestServer:
         with backend_server(reference, run["root"] / "reference.log") as fresh:
             assert _checksums(fresh) == checksums  # what /weight_checker sees, bit for bit
             assert _complete(fresh) == served
+        # A rollback of the live run: the server lands on the restored version's weights by an ordinary delta.
+        done = rollback(publisher, to=newest - 2)
+        assert follower.update() is not None and follower.served == done.version
+        assert _checksums(url) == held[newest - 2]
 
     def test_hostile_requests_get_a_4xx_and_change_nothing(self, run: dict[str, Any], tmp_path: Path) -> None:
         url, store, trainer, publisher = run["url"], run["store"], run["trainer"], run["publisher"]

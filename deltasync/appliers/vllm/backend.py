@@ -460,13 +460,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             raise LayoutMismatch(f"checkpoint elements no rank of the engine holds: {', '.join(missing[:5])}",
                                  name=missing[0])
         replica_id = info.replica_id or f"{socket.gethostname()}-vllm-{os.getpid()}"
+        # Initialised again: the engine still holds the version it reached (of its run), unless told otherwise.
+        start, run = info.start_version, info.run_id
         if self.subscriber is not None:
+            if start is None:
+                start, run = self.subscriber.version, self.subscriber.run_id
             self.subscriber.close()
         held = frozenset(name for name, count in index.counts().items() if count)
         self.reads = held if held != set(replica.specs) else None
         self.subscriber = Subscriber(
-            store, replica, replica_id=f"{replica_id}-r{rank}", ack=rank == 0, start_version=info.start_version,
-            run_id=info.run_id, only=self.reads,
+            store, replica, replica_id=f"{replica_id}-r{rank}", ack=rank == 0, start_version=start, run_id=run,
+            only=self.reads,
         )
         self.replica = replica
         logger.info("deltasync: rank %d follows %s (%d tensors mapped and proven in %.1f s)", rank, store.url,
