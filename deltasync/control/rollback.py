@@ -122,7 +122,8 @@ def rollback(
     manifest = Manifest.from_bytes(store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES))
     _check_reachable(manifest, to, store.url)
     specs = anchor_layout(store, manifest)
-    writer = VersionWriter.create(store, tuple(specs), PublishOptions(takeover=takeover, **publish_options))
+    lent = _Lent(store) if isinstance(target, Store) else store  # a caller's store stays open for the caller
+    writer = VersionWriter.create(lent, tuple(specs), PublishOptions(takeover=takeover, **publish_options))
     try:
         writer.open()  # the lease: refuses a live trainer's prefix unless told to take it over
         latest = writer.manifest.latest if writer.manifest is not None else None
@@ -145,7 +146,8 @@ def _commit(writer: VersionWriter, to: int, step: int | None, done: Any) -> Roll
                            current=latest, latest=latest)
     started = time.perf_counter()
     weights = weights_at(writer.store, to, list(writer.specs))
-    changes = diff(writer.snapshot, weights)
+    snapshot = writer.snapshot
+    changes = diff(snapshot, {n: t.to(snapshot[n].device) for n, t in weights.items()})  # where the snapshot lives
     t_diff = time.perf_counter() - started
     reports: list[PublishInfo] = []
     on_publish = writer.on_publish

@@ -55,6 +55,14 @@ class Applier(ABC):
     def apply(self, decoded: Mapping[str, Decoded]) -> None:
         """Write a version's validated patches; every check has passed before this is called."""
 
+    @property
+    def local_reads(self) -> bool:
+        """Whether :meth:`lookup` reads weights this process holds, cheaply enough that the subscriber reads
+        what each write will overwrite before it (all-or-nothing writes, :mod:`deltasync.replica.undo`).
+        ``True`` here; an applier whose reads are calls to another process says ``False``, and a write of it
+        that fails midway leaves the replica needing an anchor."""
+        return True
+
     def restore(self, patches: Mapping[str, Decoded], run_id: str | None, version: int | None) -> None:
         """Write back the values an interrupted or undone apply overwrote (:mod:`deltasync.replica.undo`): the
         weights are then exactly ``version`` of ``run_id`` again. Writes them as :meth:`apply` does here; an

@@ -516,10 +516,11 @@ class Subscriber:
 
     def _apply_all_or_nothing(self, decoded: dict[str, Decoded], version: int) -> None:
         """Write one version's patches; if a write fails midway, write back what they overwrote (the replica
-        stays at the version it held), or, where that was not kept (an anchor beyond ``undo_bytes``), mark the
-        replica as needing an anchor. Raises the write's error either way."""
+        stays at the version it held), or, where that was not kept (an anchor beyond ``undo_bytes``, an applier
+        without :attr:`~Applier.local_reads`), mark the replica as needing an anchor. Raises the write's error
+        either way."""
         undo = self._undo.capture(self.applier, decoded, run_id=self._run_id, previous=self._version,
-                                  version=version)
+                                  version=version) if self.applier.local_reads else None
         try:
             self.applier.apply(decoded)
         except BaseException as exc:

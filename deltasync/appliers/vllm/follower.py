@@ -265,6 +265,11 @@ class VLLMFollower(Applier):
         self._step.append(header)
         self._pending = header.version
 
+    @property
+    def local_reads(self) -> bool:
+        """``False``: reads are RPCs to the engine's workers, batched per version for the decoder only."""
+        return False
+
     def lookup(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Current bits at ``indices`` of checkpoint tensor ``name``, merged across ranks."""
         if self.adapter is not None and name in self.adapter.specs:
