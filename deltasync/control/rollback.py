@@ -28,13 +28,14 @@ import torch
 
 from ..appliers import TorchModuleApplier
 from ..appliers.checkpoint.applier import anchor_layout
-from ..errors import ConfigError, VersionError
+from ..errors import VersionError
 from ..protocol.keys import MANIFEST_KEY
 from ..protocol.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..publish.diff import Snapshot, diff
 from ..publish.engine import PublishInfo, VersionWriter
 from ..publish.options import PublishOptions
 from ..publish.publisher import Publisher
+from ..replica.pins import check_version
 from ..replica.subscriber import Subscriber
 from ..stores import Store, open_store
 from ..stores.wrap import DelegatingStore
@@ -112,8 +113,7 @@ def rollback(
         `VersionError`: ``to`` is not listed, or is the newest version. `ConflictError`: the trainer's lease is
             live (roll back through its publisher, or stop it and pass ``takeover=True``).
     """
-    if isinstance(to, bool) or not isinstance(to, int) or to < 0:
-        raise ConfigError(f"to must be a version number, not {to!r}", argument="to")
+    check_version("to", to, optional=False)
     if isinstance(target, Publisher):  # the trainer's own writer: between two of its publishes
         target.flush()
         return _commit(target.writer_engine, to, step, lambda: None)
@@ -138,7 +138,6 @@ def _commit(writer: VersionWriter, to: int, step: int | None, done: Any) -> Roll
     """Diff ``writer``'s snapshot (the newest version) against ``to``'s weights and commit it as a rollback."""
     manifest = writer.manifest
     assert manifest is not None and writer.snapshot is not None
-    _check_reachable(manifest, to, writer.store.url)
     latest = manifest.latest
     assert latest is not None
     if to == latest:

@@ -229,8 +229,7 @@ class ManifestWriter:
 
     def _amend(self, version: int, refs: tuple[ObjectRef, ...], change: Callable[[VersionEntry], VersionEntry]) -> None:
         assert self.manifest is not None and self.manifest.entry(version) is not None
-        versions = tuple(change(e) if e.version == version else e for e in self.manifest.versions)
-        self.commit(replace(self.manifest, versions=versions), refs)
+        self.commit(self.manifest.amended(version, change), refs)
 
     def commit(self, manifest: Manifest, uploaded: tuple[ObjectRef, ...] = ()) -> None:
         """Write ``manifest``; if it surely did not land, delete the objects ``uploaded`` for it.

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -352,6 +352,10 @@ class Manifest:
     def retracted(self) -> set[int]:
         """Versions a later rollback took back (:attr:`VersionEntry.restores`): listed, never rewritten."""
         return {v for e in self.versions if e.restores is not None for v in range(e.restores + 1, e.version)}
+
+    def amended(self, version: int, change: Callable[[VersionEntry], VersionEntry]) -> Manifest:
+        """A copy with the entry of ``version`` replaced by ``change(entry)`` (an anchor or spans added)."""
+        return replace(self, versions=tuple(change(e) if e.version == version else e for e in self.versions))
 
     def with_version(self, entry: VersionEntry, *, now: float, lease_s: float) -> Manifest:
         """A copy with ``entry`` appended and the lease renewed."""

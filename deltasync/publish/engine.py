@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -345,11 +345,10 @@ class VersionWriter:
                 t_encode += time.perf_counter() - t1
                 route = plan_route(listed, run.base, target=version)
                 anchors = listed.anchors()
-                limit = min(route.nbytes if route is not None else len(data) + 1,
-                            anchors[-1].anchor_bytes if anchors else len(data) + 1)
-                if len(data) >= limit:
-                    logger.debug("span v%d->v%d not published: %d bytes, the listed route costs %d", run.base,
-                                 version, len(data), limit)
+                costs = ([route.nbytes] if route is not None else []) + ([anchors[-1].anchor_bytes] if anchors else [])
+                if costs and len(data) >= min(costs):
+                    logger.debug("span v%d->v%d not published: %d bytes, the listed route or anchor costs %d",
+                                 run.base, version, len(data), min(costs))
                     continue
                 key = span_key(version, run.base, suffix=writer_suffix(self.commits.writer))
                 spans.append(Span(run.base, (self.upload(key, data),)))
@@ -372,8 +371,7 @@ class VersionWriter:
         assert self.manifest is not None
         if not spans:
             return self.manifest
-        return replace(self.manifest, versions=tuple(
-            e.with_spans(tuple(spans)) if e.version == version else e for e in self.manifest.versions))
+        return self.manifest.amended(version, lambda entry: entry.with_spans(tuple(spans)))
 
     def commit_anchor(self, version: int, step: int | None) -> None:
         """Add an anchor of the snapshot to the committed ``version``, in a manifest write of its own."""

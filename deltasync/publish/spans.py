@@ -138,10 +138,6 @@ class SpanLevels:
         """Memory the kept runs hold."""
         return sum(run.nbytes for run in self.levels.values())
 
-    def reset(self) -> None:
-        """Forget every run: the chain starts over (a fresh anchor, a resync, another form of the model)."""
-        self.levels.clear()
-
     def record(self, changes: ChangeSet, version: int) -> list[Run]:
         """Take in the changes that made ``version`` (before the snapshot moves past them).
 

@@ -23,6 +23,16 @@ class Pin:
     version: int | None = None
     """The version of an ``"at-most"`` or ``"exact"`` pin."""
 
+    @classmethod
+    def following(cls, at_most: int | None = None) -> Pin:
+        """The newest version, or the newest up to ``at_most`` (checked: a version number)."""
+        return cls("follow" if at_most is None else "at-most", check_version("at_most", at_most))
+
+    @classmethod
+    def exactly(cls, version: int) -> Pin:
+        """Exactly ``version`` (checked: a version number)."""
+        return cls("exact", check_version("version", version, optional=False))
+
     @property
     def exact(self) -> int | None:
         return self.version if self.mode == "exact" else None

@@ -49,7 +49,7 @@ from ..util.collector import collector_paused
 from .applier import Applier
 from .cache import open_cached
 from .fetch import BAD_AFTER, BAD_RETRY_S, Fetcher
-from .pins import Pin, check_version
+from .pins import Pin
 from .ranged import Fetched
 from .undo import UNDO_BYTES, UndoEntry, UndoLog
 
@@ -216,7 +216,7 @@ class Subscriber:
 
     def follow(self, at_most: int | None = None) -> None:
         """Follow the newest version, or the newest up to ``at_most`` (never back: a replica past it stays)."""
-        self._pin = Pin("follow" if at_most is None else "at-most", check_version("at_most", at_most))
+        self._pin = Pin.following(at_most)
 
     def hold(self) -> None:
         """Stay at the version held: polls still read the manifest, nothing is applied until :meth:`follow` or
@@ -225,7 +225,7 @@ class Subscriber:
 
     def go_to(self, version: int) -> None:
         """Go to exactly ``version`` at the next update (ahead or back) and stay there."""
-        self._pin = Pin("exact", check_version("version", version, optional=False))
+        self._pin = Pin.exactly(version)
 
     def add_hook(self, hook: Callable[[UpdateInfo], None]) -> None:
         """Call ``hook(info)`` after every update."""
@@ -558,10 +558,7 @@ class Subscriber:
         """
         check_int("steps", steps, low=1)
         with self._apply_lock:
-            entries = list(self._undo.entries)[-steps:]
-            chain = [(self._run_id, self._version)] + [(e.run_id, e.previous) for e in reversed(entries)]
-            if len(entries) < steps or any((e.run_id, e.version) != chain[i]
-                                           for i, e in enumerate(reversed(entries))):
+            if self._undoable() < steps:
                 raise VersionError(
                     f"replica {self.replica_id} can take back {self._undoable()} applies from v{self._version}, not "
                     f"{steps}: its undo log keeps the newest applies within undo_bytes={self._undo.max_bytes:,}",

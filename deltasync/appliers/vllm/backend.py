@@ -72,6 +72,7 @@ from ...protocol.keys import MANIFEST_KEY
 from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest, Plan
 from ...replica.applier import Applier
 from ...replica.cache import open_cached
+from ...replica.pins import Pin
 from ...replica.ranged import Fetched
 from ...replica.subscriber import Subscriber, UpdateInfo
 from ...tensors import TensorSpec, fingerprint
@@ -381,10 +382,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         replica = self.replica
         replica.begin()
         try:
-            target = self._agreed_target(update_info.version, update_info.at_most)
-            held = self.subscriber.version
-            if update_info.at_most is not None and (target is None or (held is not None and held >= target)):
-                self.last_update = None  # nothing published up to it yet, or already there or past it
+            at_most = update_info.at_most
+            target = self._agreed_target(update_info.version, newest=at_most is not None)
+            if at_most is not None:  # the newest up to it: none published yet, or already there or past it
+                capped = None if target is None else Pin("at-most", at_most).target(target, self.subscriber.version)
+                self.last_update = None if capped is None else self.subscriber.update(version=capped)
             elif target is not None or replica.group is None:
                 self.last_update = self.subscriber.update(version=target)
         except BaseException as exc:
@@ -395,23 +397,21 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.last_update is not None:
             self._written = True
 
-    def _agreed_target(self, version: int | None, at_most: int | None = None) -> int | None:
-        """The version every rank goes to: ``version``, or the newest all of them saw, up to ``at_most`` (``None``:
-        none published)."""
+    def _agreed_target(self, version: int | None, *, newest: bool = False) -> int | None:
+        """The version every rank goes to: ``version``, or the newest all of them saw (``None``: none published;
+        an engine of one rank leaves that to its subscriber unless ``newest`` asks for it here)."""
         replica = self.replica
         assert replica is not None and self.subscriber is not None
         if version is not None:
             return version
-        if replica.group is None and at_most is None:
+        if replica.group is None and not newest:
             return None
         try:
             latest = Manifest.from_bytes(self.subscriber.store.get(MANIFEST_KEY, max_bytes=MAX_MANIFEST_BYTES)).latest
         except ObjectNotFound:
             latest = None
         seen = replica.exchange(latest) if replica.group is not None else [latest]
-        if None in seen:
-            return None
-        return min(seen) if at_most is None else min(*seen, at_most)
+        return None if None in seen else min(seen)
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: every write was read back in :meth:`receive_weights`."""

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from ...errors import DeltaSyncError, ObjectNotFound
 from ...protocol.keys import MANIFEST_KEY
 from ...protocol.manifest import MAX_MANIFEST_BYTES, Manifest
-from ...replica.pins import Pin, check_version
+from ...replica.pins import Pin
 from ...stores import Store, open_store
 from .rpc import ServerEngine, parse_version_label, version_label
 
@@ -107,7 +107,7 @@ class ServerFollower:
 
     def follow(self, at_most: int | None = None) -> None:
         """Follow the newest version, or the newest up to ``at_most`` (a server past it stays)."""
-        self.pin = Pin("follow" if at_most is None else "at-most", check_version("at_most", at_most))
+        self.pin = Pin.following(at_most)
 
     def hold(self) -> None:
         """Keep the version served until :meth:`follow` or :meth:`go_to`."""
@@ -115,7 +115,7 @@ class ServerFollower:
 
     def go_to(self, version: int) -> None:
         """Serve exactly ``version`` (ahead of the one served or behind it) from the next update on."""
-        self.pin = Pin("exact", check_version("version", version, optional=False))
+        self.pin = Pin.exactly(version)
 
     def initialise(self) -> None:
         """Tell the server's backend which store to follow (``/init_weight_transfer_engine``), once."""
