@@ -6,7 +6,7 @@
 
 The stores are written through the public API (``Publisher``) from weights
 edited bit by bit, so every feature a reader must handle appears on purpose:
-each codec, BF16 / F16 / F32, 1- and 2-byte index gaps with escapes, tensors
+each codec, BF16 / F16 / F32, a block-fp8 view (F8_E4M3 with F32 scales), 1- and 2-byte index gaps with escapes, tensors
 changed densely, NaN payloads, infinities and signed zeros, 0-d to 4-D, odd
 and zero-element tensors, a non-ASCII name, multi-part anchors, retired
 anchors, and a version carried by two trainer ranks. Each case directory holds
@@ -53,7 +53,9 @@ from deltasync.control import rollback  # noqa: E402
 from deltasync.format import header_ref, raw_header, read_header  # noqa: E402
 from deltasync.format.digests import hasher, hexdigest  # noqa: E402
 from deltasync.format.layout import pack  # noqa: E402
+from deltasync.publish.fp8 import BlockFp8View  # noqa: E402
 from deltasync.tensors import TensorSpec, bits_view, fingerprint  # noqa: E402
+from deltasync.tensors.fp8 import BlockFp8, quantize_all  # noqa: E402
 
 Weights = dict[str, torch.Tensor]
 BF16_NAN_PAYLOADS = (0x7FC1, 0xFFA5, 0x7F81)  # quiet with payload, negative quiet, signalling
@@ -233,6 +235,8 @@ def golden_cases() -> dict[str, Callable[[Path], None]]:
         "format-4-packed": packed_case,
         "format-4-table-checksum": packed_case,
         "spans-schema-4": spans_case,
+        "fp8-block-compact": fp8_case("compact", BlockFp8()),
+        "fp8-block-raw": fp8_case("raw", BlockFp8((16, 16))),
     }
 
 
@@ -325,6 +329,88 @@ def broken_spans(out: Path, source: Path, only: tuple[str, ...] | None = None) -
     make("span-from-previous", "ManifestError", "version 8 lists a span from version 7 (a span starts at least "
          "two versions back), a copy of its own delta under a key of its own", from_previous, version=-1,
          span_from=None)
+
+
+def fp8_model(rule: BlockFp8) -> Weights:
+    """A bf16 model of which two tensors are published in block fp8: one with edge blocks on both axes (a block
+    and a half by two and a third) and one that starts all zero; a vector stays bf16."""
+    g = torch.Generator().manual_seed(2)
+    rows, cols = rule.block
+    return {
+        "proj.weight": (torch.randn(rows * 3 // 2 + 8, cols * 7 // 3, generator=g) * 0.05).to(torch.bfloat16),
+        "zero.weight": torch.zeros(rows + 2, cols // 2, dtype=torch.bfloat16),
+        "norm.weight": torch.ones(cols * 7 // 3, dtype=torch.bfloat16),
+    }
+
+
+FP8_NAMES = ("proj.weight", "zero.weight")
+
+
+def fp8_steps(weights: Weights, rule: BlockFp8) -> list[Callable[[], None]]:
+    proj = weights["proj.weight"]
+    rows, cols = rule.block
+
+    def v1() -> None:  # a few elements move an ulp: most fp8 bytes stay, some cross a rounding boundary
+        nudge(proj, range(0, proj.numel(), 61))
+        nudge(weights["norm.weight"], [0, weights["norm.weight"].numel() - 1])
+
+    def v2() -> None:  # one block's largest element doubles: its scale and every element move
+        with torch.no_grad():
+            block = proj[:rows, cols : 2 * cols]
+            row, col = divmod(int(block.abs().argmax()), block.shape[1])
+            block[row, col] *= 2
+
+    def v3() -> None:  # the all-zero tensor gets values in one block (scale 1.0 -> amax / 448); an edge block zeroes
+        with torch.no_grad():
+            weights["zero.weight"][rows:, :] = 0.25
+            proj[rows:, 2 * cols :] = 0
+
+    return [v1, v2, v3]
+
+
+def fp8_case(codec: str, rule: BlockFp8) -> Callable[[Path], None]:
+    def build(root: Path) -> None:
+        """A block-fp8 view published from bf16 weights: the reader holds e4m3 tensors and their float32 scales,
+        and must end bit-identical to the reference quantizer's output of each version's weights."""
+        weights = fp8_model(rule)
+        expected = {}
+        view = BlockFp8View(weights, rule, names=FP8_NAMES)
+        with Publisher(view, str(root / "store"), lease_s=1.0, codec=codec, anchor_every=1000,
+                       anchor_ratio=100.0, max_span=0) as publisher:  # one anchor: every version by its delta
+            for step, edit in enumerate([lambda: None, *fp8_steps(weights, rule)]):
+                edit()
+                publisher.publish(step, block=True)
+                publisher.flush()
+                expected[str(publisher.version)] = digests(quantize_all(weights, FP8_NAMES, rule))
+        write_case(root, quantize_all(weights, FP8_NAMES, rule), expected)
+
+    return build
+
+
+def broken_fp8(out: Path, source: Path, only: tuple[str, ...] | None = None) -> None:
+    """Copies of the ``raw`` fp8 case with one value of version 2's delta forged and its entry digest and object
+    digest recomputed: only the reader's checks of the fp8 view's values can refuse them."""
+    case = json.loads((source / "case.json").read_text())
+    manifest = json.loads((source / "store" / "manifest.json").read_text())
+    key = next(v["delta"][0]["key"] for v in manifest["versions"] if v["version"] == 2)
+
+    def make(name: str, why: str, tensor: str, value: bytes) -> None:
+        if only is not None and name not in only:
+            return
+
+        def fault(store: Path) -> None:
+            data = bytearray((store / key).read_bytes())
+            start, _ = _entry_range(bytes(data), f"{tensor}::val")
+            data[start : start + len(value)] = value
+            (store / key).write_bytes(_set_entry_digest(bytes(data), tensor))
+            _rehash(store, key)
+
+        copy_broken(out / name, source, case, fault, version=2, error="CodecError", why=why)
+
+    make("fp8-nan-value", "one e4m3 value of version 2 is 0x7F, a NaN no block-fp8 view holds (entry and object "
+         "digests recomputed)", "proj.weight", b"\x7f")
+    make("fp8-scale-zero", "one block scale of version 2 is +0.0, not a positive finite float32 (entry and object "
+         "digests recomputed)", "proj.weight_scale_inv", b"\x00\x00\x00\x00")
 
 
 def packed_case(root: Path) -> None:
@@ -767,6 +853,8 @@ def main(argv: list[str]) -> None:
         broken_packed(ROOT / "broken", ROOT / "golden" / "format-4-table-checksum", only=("packed-table-checksum",))
     if "spans-schema-4" in names:
         broken_spans(ROOT / "broken", ROOT / "golden" / "spans-schema-4")
+    if "fp8-block-raw" in names:
+        broken_fp8(ROOT / "broken", ROOT / "golden" / "fp8-block-raw")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"wrote {', '.join(names)} under {ROOT} ({total / 1e6:.1f} MB in all)")
 

@@ -21,6 +21,7 @@ __all__ = [
     "FingerprintMismatch",
     "TensorMismatch",
     "LayoutMismatch",
+    "QuantizationError",
     "VersionError",
     "IntegrityError",
     "ManifestError",
@@ -86,6 +87,11 @@ class LayoutMismatch(TensorMismatch):
     and when patches read back differently right after they were written.
     ``name`` is the runtime parameter.
     """
+
+
+class QuantizationError(DeltaSyncError, ValueError):
+    """A tensor has no view under the published quantization rule (an inf or NaN where fp8 has none);
+    ``name`` names it. Raised at publish, before anything of the version is written."""
 
 
 class VersionError(DeltaSyncError, ValueError):

@@ -452,6 +452,37 @@ for device, sync in runs.items():
         extra += f"  {row['changes_per_s'] / 1e6:.0f} M changes/s" if "changes_per_s" in row else ""
         extra += f"  host waits {row['host_waits']}" if "host_waits" in row else ""
         print(f"  {name:36} {1e3 * row['deltasync']:8.1f} ms  floor {1e3 * row['floor']:7.1f} ms{extra}")'''),
+    ("md", """\
+## fp8 replicas of a bf16 trainer
+
+`benchmarks/fp8.py` publishes the same AdamW steps twice: the bf16 cast, and the block-fp8 view (e4m3 elements
+and a float32 scale per 128x128 block for every linear weight, the rest bf16). Left: bytes per version for the
+bf16 delta, the fp8 delta, and the full fp8 checkpoint a full-resync path ships every step. Right: how sparse the
+fp8 tensors' changes are: nearly every 128x128 block holds a changed bf16 element (*touched*), and nearly every
+block's fp8 bytes or scale move, but far fewer fp8 elements change than bf16 ones (most bf16 steps stay inside
+one e4m3 rounding interval), which is what the fp8 delta carries."""),
+    ("code", '''\
+fp8 = load("fp8")
+fig, axes = plt.subplots(len(fp8["models"]), 2, figsize=(11, 3.4 * len(fp8["models"])), squeeze=False)
+for (left, right), run in zip(axes, fp8["models"]):
+    rows = run["versions"]
+    steps = [r["step"] for r in rows]
+    for key, label, style in [("bytes_fp8_checkpoint", "full fp8 checkpoint", "k--"),
+                              ("bytes_bf16_delta", "bf16 delta", "C0o-"), ("bytes_fp8_delta", "fp8 delta", "C3s-")]:
+        left.plot(steps, [r[key] / 1e6 for r in rows], style, label=label)
+    left.set(yscale="log", xlabel="version", ylabel="MB per version", title=run["model"])
+    left.legend(fontsize=8)
+    for key, label in [("blocks_touched", "blocks touched (a bf16 element changed)"),
+                       ("blocks_moved", "blocks whose fp8 bytes or scale moved"),
+                       ("bf16_elements_changed", "bf16 elements changed"),
+                       ("fp8_elements_changed", "fp8 elements changed")]:
+        right.plot(steps, [100 * r[key] for r in rows], marker="o", label=label)
+    right.set(yscale="log", xlabel="version", ylabel="% of the fp8 tensors", title=f"{run['model']}: sparsity")
+    right.legend(fontsize=7)
+fig.tight_layout()
+fig.savefig(FIGURES / "fp8_bytes.png", dpi=130, bbox_inches="tight")
+plt.show()
+print(fp8["table"])'''),
 ]
 
 NB04 = [

@@ -1033,22 +1033,24 @@ class TestEdgesTheSpecNamesAnErrorFor:
             read_header(forged)
         assert not isinstance(info.value, CodecError)
 
-    def test_the_dtype_names_a_reader_accepts_are_the_ten_the_spec_lists(self) -> None:
-        """Read-only bytes of a plain file are read by safetensors itself, which knows more names (U16, F8_E4M3,
+    def test_the_dtype_names_a_reader_accepts_are_the_eleven_the_spec_lists(self) -> None:
+        """Read-only bytes of a plain file are read by safetensors itself, which knows more names (U16, F8_E5M2,
         ...): every path refuses them alike, before any codec sees the entry."""
         from deltasync.format import SAFETENSORS_DTYPES
 
-        assert set(SAFETENSORS_DTYPES) == {"BOOL", "U8", "I8", "I16", "F16", "BF16", "I32", "F32", "I64", "F64"}
+        assert set(SAFETENSORS_DTYPES) == {
+            "BOOL", "U8", "I8", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "I64", "F64",
+        }
         anchor = encode_anchor({"w": torch.zeros(8, dtype=torch.bfloat16)}, version=0)  # 16 bytes of data
         lookup = TorchModuleApplier({"w": torch.zeros(8, dtype=torch.bfloat16)}).lookup
-        widths = {"U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "bf16": 2}
+        widths = {"U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E5M2": 1, "F8_E8M0": 1, "f8_e4m3": 1, "bf16": 2}
         for name, width in widths.items():
             forged = with_header(anchor, lambda h: h["w"].update(dtype=name, shape=[16 // width]))
             for data in (forged, bytearray(forged)):
                 with pytest.raises(DeltaFormatError) as info:
                     decode(data, base=lookup)
                 assert not isinstance(info.value, CodecError), name
-        for name, width in {"I16": 2, "F16": 2, "F64": 8, "BOOL": 1}.items():  # known, but not this entry's
+        for name, width in {"I16": 2, "F16": 2, "F64": 8, "BOOL": 1, "F8_E4M3": 1}.items():  # known, not this entry's
             forged = with_header(anchor, lambda h: h["w"].update(dtype=name, shape=[16 // width]))
             for data in (forged, bytearray(forged)):
                 with pytest.raises(CodecError, match="part 'val'"):

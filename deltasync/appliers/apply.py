@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TensorMismatch
 from ..format import Header, check_compatible
-from ..tensors import TensorSpec, host_ints, positions, segment_owners, stage
+from ..tensors import NUMPY_BITS_BY_SIZE, TensorSpec, host_ints, positions, segment_owners, stage
 from ..util.collector import collector_paused
 from .mapping import PLAIN, IndexMap, Target, from_start
 
@@ -100,7 +100,7 @@ class Patch:
 
 def bits_numpy_dtype(spec: TensorSpec) -> np.dtype:
     """The integer dtype that carries the bit patterns of ``spec``'s published dtype."""
-    return np.dtype(np.int16) if spec.torch_dtype.itemsize == 2 else np.dtype(np.int32)
+    return NUMPY_BITS_BY_SIZE[spec.torch_dtype.itemsize]
 
 
 def checked_indices(raw: np.ndarray | None, spec: TensorSpec) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..errors import ConfigError, TensorMismatch
 from ..format import Header
 from ..replica.applier import Applier
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, stage, write_at
+from ..tensors.fp8 import view_tensors
 from ..util.threads import map_shared
 from .apply import check_header
 
@@ -39,7 +40,8 @@ class TorchModuleApplier(Applier):
     Args:
         target (`nn.Module` or `Mapping[str, Tensor]`): the receiving weights.
         dtype (`torch.dtype`, *optional*, defaults to `torch.bfloat16`): the
-            published dtype; ``None`` takes each tensor's own dtype.
+            published dtype; ``None`` takes each tensor's own dtype. The tensors of a block-fp8 view (e4m3
+            tensors and their ``_scale_inv`` scales, :mod:`deltasync.tensors.fp8`) always keep their own.
         stage (`bool`, *optional*): decode and write CPU tensors' patches through
             the paths tensors on an accelerator always take: rebuilt on the device
             (:attr:`on_device`) and staged (:meth:`apply`).
@@ -59,7 +61,10 @@ class TorchModuleApplier(Applier):
             )
         self._stage = stage
         self._tensors = dict(published_tensors(target))
-        self.specs = {name: TensorSpec.of(name, t, dtype) for name, t in self._tensors.items()}
+        fixed = view_tensors(self._tensors)  # a block-fp8 view's tensors keep their dtypes
+        self.specs = {
+            name: TensorSpec.of(name, t, None if name in fixed else dtype) for name, t in self._tensors.items()
+        }
         self.fingerprint = fingerprint(self.specs.values())
         self._accelerated = stage or any(t.device.type != "cpu" for t in self._tensors.values())
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import CodecError, IntegrityError
-from ..tensors import TensorChange, TensorSpec
+from ..tensors import EXPONENT_SHIFT, TensorChange, TensorSpec
 from ._zstd import compress, decompress
 from .base import BaseLookup, Codec, Decoded, Encoded, Params, Parts, check_part, to_numpy
 from .kernels import gap_payload, step_payload
@@ -37,7 +37,7 @@ STREAM_CODECS = frozenset({"compact", "compact-abs"})
 """The codecs whose tensors are rebuilt in batches from their decompressed streams: a chunk of tensors
 at a time on the host (:mod:`.packed`), or all of a file's at once on the receiver's device (:mod:`.device`)."""
 UNSIGNED = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-SIGNED = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
+SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}
 
 
 VALUE_DIGESTS = ("blake3", "sum")
@@ -153,7 +153,7 @@ def _exponent_order(base: np.ndarray) -> np.ndarray:
     receiver knows, so the order costs no bytes) hands zstd runs of similar
     symbols.
     """
-    mantissa_bits = 7 if base.dtype.itemsize == 2 else 23
+    mantissa_bits = EXPONENT_SHIFT[base.dtype.itemsize]
     # uint8 keeps exactly the 8 bits above the mantissa; a stable sort on one
     # byte is a single radix pass (the order is unique, so identical to a
     # stable sort on the same values held wider).

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..errors import CodecError
-from ..tensors import BITS_BY_SIZE, TensorSpec, positions, segment_owners, segment_sums
+from ..tensors import BITS_BY_SIZE, EXPONENT_SHIFT, TensorSpec, positions, segment_owners, segment_sums
 from ..tensors.device import Phases, WaitCounter, to_host
 from ..util.threads import map_shared, mostly_python
 from ._zstd import decompress, decompress_into
@@ -445,7 +445,7 @@ def _add_base(words: torch.Tensor, current: torch.Tensor, width: int, segment: t
     mask = (1 << (8 * width)) - 1
     wide = words.dtype
     base = current.to(wide) & mask  # unsigned, in a type wide enough for the sum
-    key = segment * 256 + ((base >> (7 if width == 2 else 23)) & 0xFF).to(torch.int32)
+    key = segment * 256 + ((base >> EXPONENT_SHIFT[width]) & 0xFF).to(torch.int32)
     order = torch.argsort(key, stable=True)
     zigzag = torch.empty_like(words)
     zigzag[order] = words

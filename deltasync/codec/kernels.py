@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from ..tensors import EXPONENT_SHIFT
+
 __all__ = [
     "add_steps", "class_starts", "exponent_positions", "exponent_ranks", "gap_indices", "gap_payload", "rebuild",
     "put", "rice_rank_stream", "rice_ranks", "rice_word_stream", "rice_words", "step_payload", "take",
@@ -176,10 +178,10 @@ def exponent_positions(
 
 
 def _mantissa(bits: np.ndarray) -> int:
-    """Mantissa bits of the float type whose bit patterns ``bits`` holds (2 or 4 bytes)."""
-    if bits.dtype.itemsize not in (2, 4):
+    """Mantissa bits of the float type whose bit patterns ``bits`` holds (1, 2 or 4 bytes)."""
+    if bits.dtype.itemsize not in EXPONENT_SHIFT:
         raise ValueError(f"no exponent byte in {bits.dtype.itemsize}-byte words")
-    return 7 if bits.dtype.itemsize == 2 else 23
+    return EXPONENT_SHIFT[bits.dtype.itemsize]
 
 
 def gap_payload(indices: np.ndarray) -> tuple[np.ndarray, int, int]:

@@ -27,6 +27,7 @@ from ..util.collector import collector_paused
 from ..util.threads import map_shared, mostly_python
 from .header import SAFETENSORS_DTYPES, Header, TensorEntry, entry_digest, header_of, raw_header, tiled_spans
 from .layout import packed
+from .quantized import check_quantized
 
 __all__ = ["decode", "decode_entries", "file_entries", "combine"]
 
@@ -154,6 +155,7 @@ def decode_entries(
         for name, entry in wanted.items():
             parts = {"val": entries[name]}
             decoded[name] = _place(get_codec("dense").decode(parts, {}, entry.local_spec, entry.nnz, None), entry)
+        check_quantized({name: entry.local_spec for name, entry in wanted.items()}, decoded)
         return decoded
     grouped: dict[str, dict[str, torch.Tensor | np.ndarray]] = {name: {} for name in wanted}
     stray = []
@@ -251,7 +253,9 @@ def decode_entries(
         decoded = {name: patch for group, patches in zip(groups, found) for name, patch in zip(group, patches)}
         results = {name: decoded[name] for name in names}
     _raise_first(results)
-    return {name: found for name, found in results.items() if isinstance(found, Decoded)}
+    out = {name: found for name, found in results.items() if isinstance(found, Decoded)}
+    check_quantized({name: entry.local_spec for name, entry in wanted.items()}, out)
+    return out
 
 
 def _kind(name: str, entry: TensorEntry) -> object:

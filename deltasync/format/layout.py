@@ -43,6 +43,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
     "I16": torch.int16,
     "F16": torch.float16,
     "BF16": torch.bfloat16,

@@ -16,7 +16,7 @@ from ..codec import DEFAULT_CODEC, codec_names
 from ..errors import ConfigError
 from ..format import ANCHOR_VERSION, DEFAULT_LEVEL, FORMAT_VERSION
 from ..protocol.manifest import RETIRE_GRACE_S
-from ..tensors import dtype_name
+from ..tensors import check_cast_dtype
 from ..util.checks import check_int, check_number
 from .spans import MAX_SPAN
 
@@ -49,7 +49,7 @@ def check_options(
         sparse = [c for c in codec_names() if c != "dense"]
         raise ConfigError(f"unknown codec {codec!r}; choose one of {sparse}", argument="codec")
     if dtype is not None:
-        dtype_name(dtype)  # bf16, fp16 or fp32
+        check_cast_dtype(dtype)
     check_int("level", level, low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
     for name, value in (("anchor_every", anchor_every), ("keep_anchors", keep_anchors), ("part_bytes", part_bytes)):
         check_int(name, value, low=1)

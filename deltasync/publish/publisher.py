@@ -48,6 +48,7 @@ from ..tensors import ChangeSet, TensorSpec, published_dtype, published_tensors
 from .diff import Snapshot, diff, diff_stream
 from .engine import OPEN_WAIT_S, Background, PublisherStats, PublishInfo, VersionWriter, close_publisher
 from .forms import Forms, smallest
+from .fp8 import BlockFp8View
 from .options import (
     ANCHOR_EVERY,
     ANCHOR_RATIO,
@@ -130,7 +131,8 @@ class Publisher(PublisherView):
 
     Args:
         model (`nn.Module`, `Mapping[str, Tensor]` or `None`): the trainer's weights (any device, fp32 or bf16);
-            ``None`` when every version arrives as a stream of tensors (``publish(tensors=...)``).
+            ``None`` when every version arrives as a stream of tensors (``publish(tensors=...)``); a
+            :class:`~deltasync.publish.fp8.BlockFp8View` of them for replicas that serve block-fp8 weights.
         store (`str` or `Store`): where to publish, e.g. ``"./run1"`` or ``"s3://bucket/run1"``.
         codec (`str`, *optional*, defaults to ``"compact"``): codec for sparse tensors.
         level (`int`, *optional*): zstd level.
@@ -196,9 +198,12 @@ class Publisher(PublisherView):
         self.dtype, self.chunk = dtype, chunk
         # What the model is, read now: the worker opens the prefix later, when the caller's tensors
         # may be sharded again (FSDP1 gathers them only around each publish).
-        specs = () if model is None else tuple(
-            TensorSpec.of(n, t, published_dtype(model, n, t, dtype)) for n, t in published_tensors(model)
-        )
+        if isinstance(model, BlockFp8View):
+            specs = model.specs()
+        else:
+            specs = () if model is None else tuple(
+                TensorSpec.of(n, t, published_dtype(model, n, t, dtype)) for n, t in published_tensors(model)
+            )
         self.writer_engine = VersionWriter.create(store, specs, options, **store_options)
         self.background = Background(self.writer_engine.stats)
         self._opened = threading.Event()  # set by the worker once the first open has finished
@@ -258,7 +263,9 @@ class Publisher(PublisherView):
                 writer.specs = snapshot.specs
             if writer.manifest is None:
                 self._refuse_early()
-            if tensors is None:
+            if tensors is None and isinstance(self.model, BlockFp8View):  # a tensor at a time, in its dtypes
+                snapshot = Snapshot.capture_stream(self.model.items(), dtype=None)
+            elif tensors is None:
                 snapshot = Snapshot.capture(self.model, dtype=self.dtype)
             t_diff = time.perf_counter() - started
             background.submit(lambda coalesced: self._first_anchor(snapshot, step, started, t_diff))
@@ -320,4 +327,6 @@ class Publisher(PublisherView):
         assert snapshot is not None
         if isinstance(self.model, Forms):
             return smallest(snapshot, self.model, chunk=self.chunk, prefer=self.writer_engine.form)
+        if isinstance(self.model, BlockFp8View):  # one tensor's fp8 copy at a time, never the model's
+            return None, diff_stream(snapshot, self.model.items(), chunk=self.chunk)
         return None, diff(snapshot, self.model, chunk=self.chunk)

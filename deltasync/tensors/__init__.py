@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
-from .bits import BITS_BY_SIZE, SCATTERED, bits_dtype, bits_view, write_at
+from .bits import BITS_BY_SIZE, EXPONENT_SHIFT, NUMPY_BITS_BY_SIZE, SCATTERED, bits_dtype, bits_view, write_at
 from .changes import ChangeSet, TensorChange
 from .device import host_ints, positions, scattered_positions, segment_owners, segment_sums, settle, stage
 from .specs import (
     DTYPE_BY_NAME,
+    CAST_DTYPES,
     TensorSpec,
+    check_cast_dtype,
     check_publishable,
     describe_differences,
     dtype_from_name,
@@ -26,8 +28,8 @@ from .specs import (
 )
 
 __all__ = [
-    "BITS_BY_SIZE", "DTYPE_BY_NAME", "SCATTERED", "ChangeSet", "TensorChange", "TensorSpec", "bits_dtype",
-    "bits_view", "check_publishable", "describe_differences", "dtype_from_name", "dtype_name", "fingerprint",
+    "BITS_BY_SIZE", "DTYPE_BY_NAME", "EXPONENT_SHIFT", "NUMPY_BITS_BY_SIZE", "SCATTERED", "ChangeSet", "TensorChange", "TensorSpec", "bits_dtype",
+    "bits_view", "CAST_DTYPES", "check_cast_dtype", "check_publishable", "describe_differences", "dtype_from_name", "dtype_name", "fingerprint",
     "host_ints", "positions", "published_dtype", "published_tensors", "scattered_positions", "segment_owners",
     "segment_sums", "settle", "stage", "weights_digest", "write_at",
 ]

@@ -1,18 +1,26 @@
 """Bit patterns: floats compared and written as the integers of the same width, never as floats.
 
 Change detection and patching work on the *bit patterns* of floating-point
-elements (``int16`` views of bf16/fp16, ``int32`` views of fp32), never on
+elements (``int8`` views of e4m3, ``int16`` of bf16/fp16, ``int32`` of fp32), never on
 float values: float ``!=`` misses ``-0.0 -> +0.0`` and calls every NaN changed.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["BITS_BY_SIZE", "SCATTERED", "bits_dtype", "bits_view", "write_at"]
+__all__ = ["BITS_BY_SIZE", "EXPONENT_SHIFT", "NUMPY_BITS_BY_SIZE", "SCATTERED", "bits_dtype", "bits_view", "write_at"]
 
-BITS_BY_SIZE = {2: torch.int16, 4: torch.int32}
+BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 """The signed integer dtype holding the bit patterns of a float of this many bytes."""
+
+NUMPY_BITS_BY_SIZE = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
+"""The same as numpy dtypes."""
+
+EXPONENT_SHIFT = {1: 3, 2: 7, 4: 23}
+"""Per element width in bytes, the shift that brings a bit pattern's exponent to the low bits: the stored
+mantissa bits of e4m3, bf16 and fp32 (fp16 shares bf16's, as the codecs' exponent classes always have)."""
 
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:

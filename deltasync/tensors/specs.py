@@ -19,6 +19,8 @@ __all__ = [
     "DTYPE_BY_NAME",
     "dtype_name",
     "dtype_from_name",
+    "check_cast_dtype",
+    "CAST_DTYPES",
     "published_dtype",
     "check_publishable",
     "describe_differences",
@@ -27,12 +29,15 @@ __all__ = [
     "weights_digest",
 ]
 
-# Safetensors' dtype names for the element types deltasync publishes.
+# Safetensors' dtype names for the element types deltasync publishes. F8_E4M3 only ever holds a block-fp8 view
+# (deltasync.tensors.fp8), never a plain cast: the others are the dtypes a run may cast its weights to.
 DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
+CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 _NAME_BY_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
@@ -42,7 +47,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     """Safetensors name of a publishable dtype (``torch.bfloat16 -> "BF16"``).
 
     Raises:
-        `ConfigError`: not one of bf16, fp16, fp32.
+        `ConfigError`: not one of bf16, fp16, fp32, e4m3.
     """
     try:
         return _NAME_BY_DTYPE[dtype]
@@ -52,6 +57,18 @@ def dtype_name(dtype: torch.dtype) -> str:
             "(pass dtype=torch.bfloat16 to publish the bf16 cast of other floating dtypes)",
             argument="dtype",
         ) from None
+
+
+def check_cast_dtype(dtype: torch.dtype) -> None:
+    """Refuse a published cast other than bf16, fp16 or fp32: an fp8 view needs scales, not a cast.
+
+    Raises:
+        `ConfigError`: naming the argument ``dtype`` and what to use instead.
+    """
+    if dtype not in CAST_DTYPES:
+        hint = (" (an fp8 run publishes a block-fp8 view: Publisher(BlockFp8View(model), ...))"
+                if dtype.is_floating_point and dtype.itemsize == 1 else "")
+        raise ConfigError(f"dtype={dtype}: weights are published cast to bf16, fp16 or fp32{hint}", argument="dtype")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

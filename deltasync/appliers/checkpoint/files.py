@@ -42,7 +42,8 @@ import torch
 
 from ...errors import ConflictError, DeltaFormatError, TensorMismatch
 from ...format import MAX_HEADER_BYTES, raw_header
-from ...tensors import DTYPE_BY_NAME, TensorSpec, dtype_name
+from ...tensors import DTYPE_BY_NAME, NUMPY_BITS_BY_SIZE, TensorSpec, dtype_name
+from ...tensors.fp8 import scale_name
 
 __all__ = [
     "checkpoint_reader",
@@ -62,7 +63,6 @@ __all__ = [
 LOCK_FILE = ".deltasync-lock"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_BITS = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
 
 
 def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -110,7 +110,8 @@ class MappedCheckpoint:
             if spec.name in specs:
                 raise TensorMismatch(f"tensor {spec.name!r} is stored twice in {self.directory}", name=spec.name)
             specs[spec.name] = spec
-            self.views[spec.name] = buffer[data_start + begin : data_start + end].view(_BITS[_itemsize(spec)])
+            bits = NUMPY_BITS_BY_SIZE[_itemsize(spec)]
+            self.views[spec.name] = buffer[data_start + begin : data_start + end].view(bits)
             self._where[spec.name] = (path, data_start + begin)
 
     def flush(self, name: str, indices: np.ndarray | None, values: np.ndarray) -> None:
@@ -284,7 +285,8 @@ def write_empty_checkpoint(path: str | os.PathLike[str], specs: Iterable[TensorS
 
 
 def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Names and shapes of a safetensors checkpoint directory, as published in ``dtype``.
+    """Names and shapes of a safetensors checkpoint directory, as published in ``dtype``; the tensors of a
+    block-fp8 checkpoint's fp8 view (e4m3 weights and their ``_scale_inv`` scales) in their own dtypes.
 
     Tied duplicates are absent from checkpoints written by ``save_pretrained``,
     as from a trainer's ``named_parameters()``, so the fingerprints agree.
@@ -293,12 +295,17 @@ def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors checkpoint in {path}")
-    specs = []
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
         with safetensors.safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                specs.append(TensorSpec(name, tuple(f.get_slice(name).get_shape()), dtype_name(dtype)))
-    return specs
+                part = f.get_slice(name)
+                found[name] = (tuple(part.get_shape()), part.get_dtype())
+    fp8 = {name for name, (_, kind) in found.items() if kind == "F8_E4M3"}
+    own = fp8 | {scale_name(name) for name in fp8}
+    return [
+        TensorSpec(name, shape, kind if name in own else dtype_name(dtype)) for name, (shape, kind) in found.items()
+    ]
 
 
 class checkpoint_reader:

@@ -82,6 +82,7 @@ from ..mapping import IndexMap, uncovered_elements
 from ..verify import VERIFY_SAMPLES, check_written, prove_map
 from .cpu_hooks import plain_weights, plain_weights_attached, repack_touched
 from .mapping import probe_index_map, runtime_params
+from .quantized import check_quantization
 from .prefetch import indices_of
 from .rank_decode import accelerator_of, decode_here, refusal_from_json, refusal_to_json, warm_decoder
 from .refusals import refusal_text
@@ -485,6 +486,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 "'checkpoint', the directory of safetensors files the engine loaded", argument="checkpoint",
             )
         specs = checkpoint_specs(checkpoint)
+        check_quantization(getattr(self.vllm_config, "quant_config", None), specs)
         params = runtime_params(self.model, plain_weights(self.model))
         with plain_weights_attached(self.model):
             index = probe_index_map(self.model, specs, params)

@@ -16,7 +16,9 @@ change, so CUDA graphs stay valid). The landed pairs become targets through
 Parameters that a kernel keeps elsewhere (the CPU backend's packed Linear
 weights) are probed through stand-ins the caller passes: :mod:`.cpu_hooks`
 provides the plain host copies and puts them back where the loaders look
-while the probe runs.
+while the probe runs. Parameters that a quantized layer's post-processing
+re-created without their loaders (block fp8) are probed through the
+parameters vLLM recorded for reloading (:mod:`.recorded`).
 
 Limitations:
 
@@ -43,6 +45,7 @@ import torch
 from ...errors import TensorMismatch
 from ...tensors import TensorSpec
 from ..mapping import IndexMap, fit_targets
+from .recorded import recorded_stand_ins, stand_ins_attached
 
 __all__ = ["probe_index_map", "runtime_params", "layer_token"]
 
@@ -89,13 +92,16 @@ def probe_index_map(
     groups: dict[str | None, list[TensorSpec]] = {}
     for spec in specs:
         groups.setdefault(layer_token(spec.name), []).append(spec)
-    for token, members in groups.items():
-        try:
-            _probe(model, index, members, params, _group_params(params, token))
-        except RuntimeError as exc:
-            # A loader wrote outside the expected group (the trap refused it): probe against everything.
-            logger.warning("deltasync: probing group %s wider (%s)", token, exc)
-            _probe(model, index, members, params, set(params))
+    stand_ins = recorded_stand_ins(model, params)  # quantized layers' loaders, which post-processing dropped
+    loaders = {n: stand for n, (_, _, stand) in stand_ins.items()}
+    with stand_ins_attached(stand_ins):
+        for token, members in groups.items():
+            try:
+                _probe(model, index, members, params, _group_params(params, token), loaders)
+            except RuntimeError as exc:
+                # A loader wrote outside the expected group (the trap refused it): probe against everything.
+                logger.warning("deltasync: probing group %s wider (%s)", token, exc)
+                _probe(model, index, members, params, set(params), loaders)
     return index
 
 
@@ -112,15 +118,20 @@ def _probe(
     members: list[TensorSpec],
     params: Mapping[str, torch.nn.Parameter],
     scratch_names: set[str],
+    loaders: Mapping[str, torch.nn.Parameter],
 ) -> None:
-    """Probe ``members`` with scratch in ``scratch_names`` (traps elsewhere); add what landed to ``index``."""
+    """Probe ``members`` with scratch in ``scratch_names`` (traps elsewhere); add what landed to ``index``.
+
+    ``loaders``: where a runtime parameter's loader writes when that is another object (:mod:`.recorded`);
+    what lands there is mapped onto the runtime parameter."""
     offsets = [int(x) for x in np.cumsum([0] + [s.numel for s in members])]
     # float32 holds every integer below 2**24 exactly: half the bytes of float64 for one decoder layer.
     dtype = torch.float32 if offsets[-1] < 2**24 else torch.float64
-    saved = {n: p.data for n, p in params.items()}
+    probed = {n: loaders.get(n, p) for n, p in params.items()}
+    saved = {n: p.data for n, p in probed.items()}
     scratch: dict[str, torch.Tensor] = {}
     try:
-        for n, p in params.items():
+        for n, p in probed.items():
             if n in scratch_names or p.numel() <= 1:
                 scratch[n] = torch.full(tuple(p.shape), -1.0, dtype=dtype, device=p.device)
                 p.data = scratch[n]
@@ -134,7 +145,7 @@ def _probe(
         with torch.no_grad():
             model.load_weights(probes())
     finally:
-        for n, p in params.items():
+        for n, p in probed.items():
             p.data = saved[n]
     for n, buf in scratch.items():
         _collect(index, members, offsets, n, params[n], buf)

@@ -22,10 +22,13 @@ payload, then writes it). Importing it installs the CPU-backend hooks
 
 Limitations:
 
-- Unquantized weights only, held in the published dtype (bf16) or a wider
-  float (written by exact up-cast). Quantized layers, weights that loaders
-  transform arithmetically (scaling, permutation by math), and causal-conv
-  weights packed by the CPU backend are refused at init, by name.
+- Unquantized weights, held in the published dtype (bf16) or a wider float
+  (written by exact up-cast), and block-fp8 weights and scales as loaded from
+  an fp8 checkpoint, for a run that publishes its block-fp8 view
+  (:mod:`.quantized` checks the engine's rule first). Other quantized layers,
+  weights that loaders or kernels transform (scaling, repacking,
+  requantizing), and causal-conv weights packed by the CPU backend are
+  refused at init, by name.
 - Pipeline and expert parallel are untested. MoE experts (vLLM's stacked
   ``w13_weight`` / ``w2_weight``, prepacked on CPU: :mod:`.cpu_experts`) are
   tested at TP=1 and TP=2.
@@ -63,6 +66,7 @@ from .cpu_hooks import (
 )
 from .file_drop import read_dropped
 from .mapping import probe_index_map, runtime_params
+from .quantized import check_quantization
 from .rank_decode import accelerator_of, decode_here, refusal_to_json, warm_decoder
 from .wire import pack, specs_from_json, unpack
 
@@ -94,6 +98,7 @@ class DeltaSyncWorkerExtension:
         """
         started = time.perf_counter()
         specs = specs_from_json(specs_json)
+        check_quantization(getattr(getattr(self, "vllm_config", None), "quant_config", None), specs)
         model = self.get_model()  # type: ignore[attr-defined]
         params = runtime_params(model, plain_weights(model))
         with plain_weights_attached(model):

@@ -33,6 +33,7 @@ import torch
 from ...errors import TensorMismatch
 from ...tensors import (
     BITS_BY_SIZE,
+    NUMPY_BITS_BY_SIZE,
     ChangeSet,
     TensorChange,
     TensorSpec,
@@ -68,7 +69,6 @@ _WORD_BYTES = 8
 # Below this many mask bytes a plain flatnonzero beats the two-level scan.
 _TWO_LEVEL_MIN = 1 << 12
 # Integer dtypes of the bit patterns, by width in bytes.
-_NUMPY_BITS = {2: np.dtype(np.int16), 4: np.dtype(np.int32)}
 
 
 class Snapshot:
@@ -449,7 +449,7 @@ def _expand(
     new_values = words_new.index_select(0, index).numpy()
     old_values = words_old.index_select(0, index).numpy()
     if per > 1:
-        elem = _NUMPY_BITS[_WORD_BYTES // per]
+        elem = NUMPY_BITS_BY_SIZE[_WORD_BYTES // per]
         new_values, old_values = new_values.view(elem), old_values.view(elem)
         # Every hit word holds a change, so this mask is dense: a plain scan is fastest.
         inner = (new_values != old_values).nonzero()[0]
