@@ -410,3 +410,64 @@ class TestBadInput:
                     subscriber.update()
                 assert subscriber.version == 0
         assert_same_bits(held, {"w": q, "w_scale_inv": scales})
+
+
+class TestIntegrations:
+    def test_a_trainer_with_the_callback_publishes_the_fp8_view(self, tmp_path: Path) -> None:
+        """DeltaSyncCallback(fp8=True) in a real transformers Trainer: the store ends at the reference view of
+        the trained weights, and the logged dense size is the view's (a byte an fp8 element)."""
+        from datasets import Dataset
+
+        from deltasync.integrations import DeltaSyncCallback
+
+        model = llama()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (8, 16), generator=g)
+        data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4,
+            logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        url = str(tmp_path / "run")
+        callback = DeltaSyncCallback(url, fp8=True).attach(trainer)
+        trainer.train()
+        view = BlockFp8View(model)
+        held = {n: torch.zeros_like(t) for n, t in reference(model, view).items()}
+        with Subscriber(url, TorchModuleApplier(held), ack=False) as subscriber:
+            subscriber.update()
+        assert_same_bits(held, reference(model, view))
+        logged = [h for h in trainer.state.log_history if "deltasync/dense_bytes" in h]
+        view_bytes = sum(t.numel() * t.element_size() for t in held.values())
+        assert logged and logged[-1]["deltasync/dense_bytes"] == view_bytes
+        assert callback.history[-1].model_bytes == logged[-1]["deltasync/dense_bytes"]
+
+    def test_a_stream_of_tensors_publishes_the_same_view(self) -> None:
+        """What AsyncGRPOTrainer's weight transfer hands over, one tensor at a time, gives the same versions."""
+        from deltasync.publish.fp8 import fp8_stream
+        from deltasync.tensors import published_tensors
+
+        model = llama()
+        view = BlockFp8View(model)
+        url = store_url()
+        with Publisher(None, url, dtype=None) as publisher:
+            publisher.publish(0, tensors=fp8_stream(published_tensors(model)))
+            with torch.no_grad():
+                model.model.layers[0].mlp.down_proj.weight.mul_(1.01)
+            publisher.publish(1, tensors=fp8_stream(published_tensors(model)))
+            publisher.flush()
+            held = {n: torch.zeros_like(t) for n, t in reference(model, view).items()}
+            with Subscriber(url, TorchModuleApplier(held), ack=False) as subscriber:
+                subscriber.update()
+                assert subscriber.version == 1
+        assert_same_bits(held, reference(model, view))
+
+    def test_the_options_are_checked(self) -> None:
+        from deltasync.integrations import DeltaSyncCallback
+        from deltasync.integrations.trl import DeltaSyncTransfer
+
+        with pytest.raises(ConfigError, match="fp8"):
+            DeltaSyncCallback(store_url(), fp8="yes")
+        with pytest.raises(ConfigError, match="dtype"):
+            DeltaSyncTransfer(store_url(), fp8=True, dtype=torch.bfloat16)
+        assert DeltaSyncTransfer(store_url(), fp8=BlockFp8((64, 64))).fp8 == BlockFp8((64, 64))

@@ -155,6 +155,19 @@ class TestEngineRule:
         with pytest.raises(LayoutMismatch, match="none: weights as loaded"):
             check_quantization(None, self._specs())
 
+    @pytest.mark.parametrize(("scheme", "named"), [("fp8_per_tensor", "fp8 per tensor"),
+                                                   ("fp8_per_block", "fp8 per 128x128 block")])
+    def test_online_quantization_is_refused_naming_its_scheme(self, scheme: str, named: str) -> None:
+        """``--quantization fp8_per_tensor`` / ``fp8_per_block`` on a bf16 checkpoint: the engine makes its own fp8
+        weights (same names as a block checkpoint's, for per-block), which no run's delta describes."""
+        from vllm.config.quantization import resolve_quantization_config
+        from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+        online = OnlineQuantizationConfig(args=resolve_quantization_config(scheme, None))
+        for specs in ([TensorSpec("w.weight", (256, 384), "BF16")], self._specs()):
+            with pytest.raises(LayoutMismatch, match=f"{named} quantized online"):
+                check_quantization(online, specs)
+
     def test_an_engine_quantizing_a_bf16_run_is_refused_naming_its_rule(self) -> None:
         from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 

@@ -71,6 +71,8 @@ class PublishInfo:
     """Publishes skipped since the previous commit (covered by this one)."""
     form: str | None = None
     """The form the version was published in, for sources with several (:mod:`deltasync.publish.forms`)."""
+    model_bytes: int = 0
+    """The whole model in its published dtypes (an fp8 view's elements count one byte); 0: not known."""
 
     @property
     def sparsity(self) -> float:
@@ -78,7 +80,8 @@ class PublishInfo:
 
     @property
     def dense_bytes(self) -> int:
-        return 2 * self.numel
+        """What the version would cost sent whole: the model's bytes (two a parameter where not known)."""
+        return self.model_bytes or 2 * self.numel
 
 
 @dataclass(slots=True)
@@ -394,6 +397,7 @@ class VersionWriter:
         info = PublishInfo(
             version, step, kind, nnz, numel, sum(r.size for r in refs), t_diff, t_encode, t_upload,
             time.perf_counter() - started, coalesced if kind == "delta" else 0, form,
+            sum(s.numel * s.torch_dtype.itemsize for s in self.specs),
         )
         self.stats.published += 1
         self.stats.failing = False

@@ -25,9 +25,9 @@ import torch
 
 from ..errors import ConfigError
 from ..tensors import TensorSpec, dtype_name, published_tensors
-from ..tensors.fp8 import FP8_DTYPE, SCALE_SUFFIX, BlockFp8, scale_name
+from ..tensors.fp8 import FP8_DTYPE, BlockFp8, scale_name
 
-__all__ = ["BlockFp8View", "fp8_by_default"]
+__all__ = ["BlockFp8View", "fp8_by_default", "fp8_stream", "fp8_rule"]
 
 # Tensors a block-fp8 checkpoint keeps in bf16 whatever their shape: embeddings, the output head, norms,
 # and routers (a MoE's `mlp.gate`, a shared expert's gate), as DeepSeek-V3's and Qwen3's fp8 checkpoints do.
@@ -38,6 +38,42 @@ def fp8_by_default(name: str, tensor: torch.Tensor) -> bool:
     """Whether the fp8 checkpoints' convention quantizes ``name``: every 2-D ``.weight`` of a linear
     layer, not embeddings, the output head, norms or routers."""
     return tensor.dim() == 2 and name.endswith(".weight") and _KEPT.search(name) is None
+
+
+def fp8_rule(fp8: object) -> BlockFp8 | None:
+    """An integration's ``fp8`` option as a rule: ``False`` none, ``True`` the default 128x128, or a :class:`BlockFp8`.
+
+    Raises:
+        `ConfigError`: anything else.
+    """
+    if isinstance(fp8, BlockFp8):
+        return fp8
+    if fp8 is True:
+        return BlockFp8()
+    if fp8 is False:
+        return None
+    raise ConfigError(f"fp8 is True, False or a BlockFp8 rule, not {fp8!r}", argument="fp8")
+
+
+def fp8_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    rule: BlockFp8 | None = None,
+    *,
+    names: Callable[[str, torch.Tensor], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The block-fp8 view of a stream of ``(name, tensor)`` (a trainer that hands over one tensor at a time):
+    each chosen tensor (``names``, default :func:`fp8_by_default`) as its e4m3 elements then its scales, every
+    other as its bf16 cast, each made as its tensor arrives. Publish it with ``Publisher(None, ..., dtype=None)``.
+    """
+    rule = rule or BlockFp8()
+    chosen = names or fp8_by_default
+    for name, tensor in tensors:
+        if chosen(name, tensor):
+            q, scales = rule.quantize(name, tensor)
+            yield name, q
+            yield scale_name(name), scales
+        else:
+            yield name, tensor.detach().to(torch.bfloat16)
 
 
 class BlockFp8View(Mapping[str, torch.Tensor]):
@@ -86,7 +122,9 @@ class BlockFp8View(Mapping[str, torch.Tensor]):
             if scale_name(name) in source:
                 raise ConfigError(f"{name!r}'s scale would be named {scale_name(name)!r}, which the model "
                                   "already holds", argument="names")
-        self._order = [n for name in source for n in ((name, scale_name(name)) if name in self.quantized else (name,))]
+        self._order = [
+            n for name in source for n in ((name, scale_name(name)) if name in self.quantized else (name,))
+        ]
         self._names = frozenset(self._order)
         self._scale_of = {scale_name(n): n for n in self.quantized}
 
@@ -105,10 +143,6 @@ class BlockFp8View(Mapping[str, torch.Tensor]):
             else:
                 out.append(TensorSpec(name, tuple(tensor.shape), dtype_name(torch.bfloat16)))
         return tuple(out)
-
-    def describe(self) -> dict[str, object]:
-        """The rule and which tensors it covers, as recorded with the run."""
-        return {**self.rule.describe(), "scale_suffix": SCALE_SUFFIX}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._order)
@@ -136,10 +170,4 @@ class BlockFp8View(Mapping[str, torch.Tensor]):
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
         """``(name, tensor)`` in publishing order, each quantized as it is reached (one pass over the model)."""
-        for name, tensor in published_tensors(self.model):
-            if name in self.quantized:
-                q, scales = self.rule.quantize(name, tensor)
-                yield name, q
-                yield scale_name(name), scales
-            else:
-                yield name, tensor.detach().to(torch.bfloat16)
+        yield from fp8_stream(published_tensors(self.model), self.rule, names=lambda name, _: name in self.quantized)

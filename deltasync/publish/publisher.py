@@ -199,6 +199,9 @@ class Publisher(PublisherView):
         # What the model is, read now: the worker opens the prefix later, when the caller's tensors
         # may be sharded again (FSDP1 gathers them only around each publish).
         if isinstance(model, BlockFp8View):
+            if dtype not in (None, torch.bfloat16):
+                raise ConfigError("a BlockFp8View publishes e4m3 and bf16 tensors: leave dtype at bf16",
+                                  argument="dtype")
             specs = model.specs()
         else:
             specs = () if model is None else tuple(

@@ -71,10 +71,6 @@ class BlockFp8:
             raise ConfigError(f"block must be two positive ints, got {self.block!r}", argument="block")
         object.__setattr__(self, "block", tuple(self.block))
 
-    def describe(self) -> dict[str, object]:
-        """The rule as recorded in a run's files and compared with a serving engine's configuration."""
-        return {"method": "block-fp8", "format": "e4m3fn", "block": list(self.block), "scale": "inverse"}
-
     def grid(self, shape: Iterable[int]) -> tuple[int, ...]:
         """The shape of the scale tensor of a tensor of ``shape`` (leading dimensions kept, edge blocks counted)."""
         *lead, rows, cols = tuple(shape)

@@ -37,7 +37,21 @@ def engine_rule(quant_config: Any) -> tuple[str, tuple[int, int] | None]:
         if serialized:
             return f"per-tensor fp8 loaded from the checkpoint ({kind})", None
         return f"fp8 quantized online from the checkpoint's weights ({kind})", None
+    if name == "online":
+        return f"{_online_scheme(quant_config)} quantized online from the checkpoint's weights ({kind})", None
     return f"{name} ({kind}), which rewrites the weights it loads", None
+
+
+def _online_scheme(quant_config: Any) -> str:
+    """``"fp8 per tensor"`` or ``"fp8 per 128x128 block"`` for vLLM's online quantization (its linear weights'
+    scale grouping), ``"weights"`` where the configuration does not say."""
+    weight = getattr(getattr(getattr(quant_config, "args", None), "linear", None), "weight", None)
+    group = getattr(getattr(weight, "scale", None), "group_shape", None)
+    if group is None:
+        return "weights"
+    if group.row < 0 and group.col < 0:
+        return "fp8 per tensor"
+    return f"fp8 per {group.row}x{group.col} block"
 
 
 def check_quantization(quant_config: Any, specs: Iterable[TensorSpec]) -> None:

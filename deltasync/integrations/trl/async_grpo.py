@@ -41,7 +41,9 @@ import torch
 from ...appliers.vllm.rpc import ServerEngine, version_label
 from ...errors import ConfigError
 from ...publish.engine import PublishInfo
+from ...publish.fp8 import fp8_rule, fp8_stream
 from ...publish.publisher import Publisher
+from ...tensors.fp8 import BlockFp8
 from .metrics import publish_metrics
 
 __all__ = ["DeltaSyncTransfer"]
@@ -59,6 +61,8 @@ class DeltaSyncTransfer:
         mode (`"inflight"` or `"pause"`, *optional*, defaults to ``"inflight"``): keep generating during a
             sync, or drain requests first (``/pause?mode=wait``).
         init_info (`dict`, *optional*): more of the backend's ``init_info`` (``cache_dir``...).
+        fp8 (`bool` or `BlockFp8`, *optional*): publish the weights' block-fp8 view (:mod:`deltasync.publish.fp8`)
+            for a server that serves an fp8 checkpoint: ``True`` for 128x128 blocks, or a rule.
         **publisher_options: options of the :class:`~deltasync.Publisher` (``codec``, ``anchor_every``...).
     """
 
@@ -69,6 +73,7 @@ class DeltaSyncTransfer:
         *,
         mode: Literal["inflight", "pause"] = "inflight",
         init_info: dict[str, Any] | None = None,
+        fp8: bool | BlockFp8 = False,
         **publisher_options: Any,
     ) -> None:
         if mode not in ("inflight", "pause"):
@@ -77,7 +82,10 @@ class DeltaSyncTransfer:
             raise ConfigError(f"store must be a store URL, not {store!r}", argument="store")
         self.store_url, self.server_url, self.mode = store, server, mode
         self.init_info = dict(init_info or {})
-        self.publisher_options = publisher_options
+        self.fp8 = fp8_rule(fp8)
+        if self.fp8 is not None and publisher_options.get("dtype", None) is not None:
+            raise ConfigError("fp8=True publishes e4m3 and bf16 tensors of its own: leave dtype out", argument="dtype")
+        self.publisher_options = {**publisher_options, "dtype": None} if self.fp8 is not None else publisher_options
         self.publisher: Publisher | None = None
         self.server: ServerEngine | None = None
         self.syncs = 0
@@ -108,7 +116,8 @@ class DeltaSyncTransfer:
             self.server = ServerEngine(self.server_url or _server_of(iterator) or "http://127.0.0.1:8000")
             if self.mode == "pause":
                 self.server.pause("wait")  # TRL paused before the server was known
-        self.publisher.publish(self.syncs, tensors=iterator)
+        tensors = iterator if self.fp8 is None else fp8_stream(iterator, self.fp8)
+        self.publisher.publish(self.syncs, tensors=tensors)
         self.publisher.flush()
         self.syncs += 1
         version = self.publisher.version

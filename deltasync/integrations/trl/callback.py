@@ -84,11 +84,13 @@ from typing import Any, Literal
 from ...errors import ConfigError, DeltaSyncError, ReplicaTimeout, require
 from ...protocol.manifest import MANIFEST_KEY, MAX_MANIFEST_BYTES, Manifest
 from ...protocol.resume import last_committed
+from ...publish.fp8 import BlockFp8View, fp8_rule
 from ...publish.lora import LORA_NAME, LoraMode, LoraWeights, publishable
 from ...publish.peft import is_peft_model
 from ...publish.publisher import Publisher, PublishInfo
 from ...replica.subscriber import read_acks
 from ...stores import Store
+from ...tensors.fp8 import BlockFp8
 from ...util.checks import check_int, check_number
 from ..distributed import Gathered, NotGathered, fsdp1_gathered, sharding_of, zero3_gathered
 from .metrics import publish_metrics
@@ -125,6 +127,9 @@ class DeltaSyncCallback(transformers.TrainerCallback):
             merged weights (any replica of the base model follows), ``"auto"`` whichever of merged weights
             and the adapter is smaller per version, ``"adapter"`` the adapter (:mod:`deltasync.publish.lora`; replicas
             are given the adapter's config). ``deltasync/adapter_form`` logs the share of adapter versions.
+        fp8 (`bool` or `BlockFp8`, *optional*): publish the model's block-fp8 view (:mod:`deltasync.publish.fp8`)
+            for replicas that serve an fp8 checkpoint: ``True`` for 128x128 blocks, or a rule. For a model
+            trained unsharded (a PEFT model with ``lora="merged"`` included).
         publisher_options: passed to :class:`~deltasync.Publisher` (``codec``, ``anchor_every``, store options
             such as ``endpoint``...).
 
@@ -147,9 +152,11 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         replicas: int | Sequence[str] | None = None,
         wait_timeout: float = WAIT_TIMEOUT_S,
         lora: LoraMode = "merged",
+        fp8: bool | BlockFp8 = False,
         **publisher_options: Any,
     ) -> None:
         check_int("every", every, low=1)
+        self.fp8 = fp8_rule(fp8)
         if sync not in ("async", "on_policy"):
             raise ConfigError(f"sync must be 'async' or 'on_policy', not {sync!r}", argument="sync")
         if max_staleness is not None and (sync == "on_policy" or not isinstance(max_staleness, int) or max_staleness < 0):
@@ -206,6 +213,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError("DeltaSyncCallback needs the model: use it from a transformers Trainer")
         kind = sharding_of(model)
+        if self.fp8 is not None and kind is not None:
+            self._fp8_view(model, kind)  # refused before anything is published: block scales need whole matrices
         if kind == "zero3" and is_peft_model(model):
             # Merged weights need whole LoRA factors and whole base rows: every rank gathers around each
             # publish and the main process publishes; what it publishes is built inside the first gather.
@@ -217,6 +226,8 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         else:
             weights = publishable(model, sharded=kind is not None, options=self.publisher_options, lora=self.lora)
             self.serves_adapter = isinstance(weights, LoraWeights)
+            if self.fp8 is not None:
+                weights = self._fp8_view(weights, kind)
             if kind is not None:  # FSDP2, ZeRO-3: every rank publishes its shard (collectives: all take part)
                 if self.publisher is None:
                     from ...publish.sharded import ShardedPublisher
@@ -231,6 +242,23 @@ class DeltaSyncCallback(transformers.TrainerCallback):
         if state.global_step and self.publisher is not None and state.is_world_process_zero:
             self._note_resume(state.global_step)
         self._publish(state.global_step)  # the anchor every replica can start from
+
+    def _fp8_view(self, weights: Any, kind: str | None) -> BlockFp8View:
+        """The block-fp8 view of what this run publishes.
+
+        Raises:
+            `ConfigError`: sharded weights (block scales need whole blocks), or a LoRA adapter form.
+        """
+        if kind is not None:
+            raise ConfigError(
+                f"fp8=True publishes the block-fp8 view of whole weight matrices, and this model is sharded "
+                f"({kind}); train it unsharded, or publish bf16 and quantize on the replicas", argument="fp8",
+            )
+        if isinstance(weights, LoraWeights):
+            raise ConfigError("fp8=True publishes the merged weights' block-fp8 view: use lora='merged'",
+                              argument="fp8")
+        assert self.fp8 is not None
+        return BlockFp8View(weights, self.fp8)
 
     def _note_resume(self, step: int) -> None:
         """A resumed run: say where the store stands; the first version is an anchor of the restored weights."""
