@@ -37,8 +37,10 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# Four KV heads of 64: at TP=2 every shard of q, k, v, gate, up and the experts is whole 128-row blocks, as vLLM's
+# block-fp8 layers require.
 COMMON = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False)
+              num_key_value_heads=4, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 def _llama() -> torch.nn.Module:
@@ -72,13 +74,16 @@ def _checkpoint(directory: Path, model: torch.nn.Module, view: BlockFp8View) -> 
     return tensors
 
 
-def _run(tmp_path: Path, make: Any, kernel: str, steps: int = 3) -> dict[str, Any]:
+def _train(tmp_path: Path, make: Any, steps: int, **options: Any) -> dict[str, Any]:
+    """Train and publish ``steps`` versions of ``make()``'s block-fp8 view; the engine's checkpoint is version 0's.
+
+    Returns the request for ``tests/vllm_fp8_inprocess.py`` (the reference's digests and checkpoint per version)."""
     model = make()
     view = BlockFp8View(model)
     _checkpoint(tmp_path / "v0", model, view)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    expected = {}
-    with Publisher(view, str(tmp_path / "store"), anchor_every=1000, anchor_ratio=100.0, max_span=0) as publisher:
+    expected, checkpoints = {}, {}
+    with Publisher(view, str(tmp_path / "store"), anchor_ratio=100.0, max_span=0, **options) as publisher:
         publisher.publish(0)
         publisher.flush()
         for step in range(1, steps + 1):
@@ -88,18 +93,36 @@ def _run(tmp_path: Path, make: Any, kernel: str, steps: int = 3) -> dict[str, An
             opt.zero_grad()
             publisher.publish(step)
             publisher.flush()
-            expected[str(publisher.version)] = _digests(
-                quantize_all(dict(published_tensors(model)), view.quantized, view.rule))
-    _checkpoint(tmp_path / "last", model, view)
-    request = {"model": str(tmp_path / "v0"), "store": str(tmp_path / "store"), "kernel": kernel,
-               "expected": expected, "fresh": str(tmp_path / "last")}
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+            version = str(publisher.version)
+            expected[version] = _digests(_checkpoint(tmp_path / f"v{version}", model, view))
+            checkpoints[version] = str(tmp_path / f"v{version}")
+    return {"model": str(tmp_path / "v0"), "store": str(tmp_path / "store"), "expected": expected,
+            "checkpoints": checkpoints, "fresh": checkpoints[max(checkpoints, key=int)]}
+
+
+def _in_process(tmp_path: Path, request: dict[str, Any], *, ranks: int = 1) -> list[dict[str, Any]]:
+    """``tests/vllm_fp8_inprocess.py`` on ``request``, one process per tensor-parallel rank, each one's answer."""
     script = ROOT / "tests" / "vllm_fp8_inprocess.py"
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "request.json")], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    running = []
+    for rank in range(ranks):
+        path = tmp_path / f"request-{rank}.json"
+        path.write_text(json.dumps({**request, "tp": ranks, "rank": rank, "init": str(tmp_path / "rendezvous")}))
+        # A group name of its own per rank: vLLM's CPU communicator then uses torch.distributed (gloo), not
+        # shared-memory segments; nothing here needs a collective beyond the rendezvous.
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", VLLM_DIST_IDENT=f"{path.name}")
+        running.append(subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env))
+    answers = []
+    for process in running:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    return answers
+
+
+def _run(tmp_path: Path, make: Any, kernel: str, steps: int = 3) -> dict[str, Any]:
+    request = _train(tmp_path, make, steps, anchor_every=1000)
+    return _in_process(tmp_path, {**request, "kernel": kernel})[0]
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3_moe], ids=["llama", "qwen3-moe"])
@@ -126,6 +149,32 @@ def test_vllms_own_cpu_kernel_is_refused_or_absent(tmp_path: Path) -> None:
     assert "model.layers.0.self_attn.qkv_proj.weight" in failed and "model.layers.1.mlp.down_proj.weight" in failed
     assert not any(name.endswith("_scale_inv") for name in failed)  # the scales are kept as loaded
     assert "reached" not in result  # nothing applied
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen3_moe], ids=["llama", "qwen3-moe"])
+def test_tensor_parallel_ranks_hold_their_shards_of_weights_and_scales_exactly(tmp_path: Path, make: Any) -> None:
+    """TP=2: each rank maps and proves its shard of every fused weight and of its block scales (blocks split
+    between the ranks), writes each version's anchor where it holds it, and together the ranks hold every element
+    of every version's reference exactly; each rank's runtime bytes equal a fresh TP=2 load's."""
+    from deltasync.appliers.checkpoint.files import checkpoint_specs
+    from deltasync.appliers.verify import merge_compared
+
+    request = _train(tmp_path, make, 2, anchor_every=1)
+    answers = _in_process(tmp_path, {**request, "kernel": "reference"}, ranks=2)
+    for answer in answers:
+        assert answer.get("refused") is None and not answer["proof"]["failed"], answer.get("refused")
+        assert answer["runtime_differs"] == [], answer["runtime_differs"]
+        assert "apply" not in answer["compared"], answer["compared"]
+    specs = {s.name: s for s in checkpoint_specs(request["model"])}
+    for version in request["checkpoints"]:
+        merged = merge_compared(specs, [(a["compared"][version]["tensors"], a["compared"][version]["held"])
+                                        for a in answers])
+        assert merged.keys() == specs.keys()
+        assert all(c["wrong"] == 0 and c["missing"] == 0 for c in merged.values()), version
+    shards = answers[0]["runtime"]
+    qkv = next(n for n in shards if n.endswith("qkv_proj.weight_scale_inv"))
+    rows = sum(specs[qkv.replace("qkv_proj", part)].shape[0] for part in ("q_proj", "k_proj", "v_proj"))
+    assert shards[qkv][0][0] == rows // 2  # each rank holds half of every block row of the fused scales
 
 
 class TestEngineRule:

@@ -14,7 +14,10 @@ checkpoint. It runs in a process of its own because vLLM's distributed state is 
 
 The request: ``model`` (the checkpoint the engine loads), ``store`` (a local run prefix), ``kernel``,
 ``expected`` (per version, per tensor, the SHA-256 of the reference's bytes) and ``fresh`` (the last
-version's reference checkpoint).
+version's reference checkpoint). A tensor-parallel rank (``tp`` > 1, ``rank``, ``init`` a file for the
+ranks' rendezvous; one process per rank) writes each version's anchor, as the worker extension does on
+every rank, and answers ``compared``: per version its :func:`~deltasync.appliers.verify.compare_held`
+against ``checkpoints[version]``, for the caller to merge across ranks.
 """
 
 from __future__ import annotations
@@ -92,9 +95,11 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         _reference_kernel()
     from vllm.config import ModelConfig, VllmConfig
 
+    tp, rank = int(request.get("tp", 1)), int(request.get("rank", 0))
+    init = request.get("init") or tempfile.mktemp()
     with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=request["model"], dtype="bfloat16"))):
-        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        init_distributed_environment(tp, rank, f"file://{init}", rank, backend="gloo")
+        initialize_model_parallel(tp, 1)
     try:
         model, config = _build(request["model"])
     except RuntimeError as exc:  # no fp8 kernel for this CPU (vLLM refuses at layer creation)
@@ -102,7 +107,9 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
 
     class Worker(DeltaSyncWorkerExtension):
         vllm_config = config
-        rank = 0
+
+        def __init__(self) -> None:
+            self.rank = rank
 
         def get_model(self) -> Any:
             return model
@@ -120,6 +127,9 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         return out
     store = Path(request["store"])
     manifest = Manifest.from_bytes((store / "manifest.json").read_bytes())
+    if tp > 1:
+        compared = _anchors_on_this_rank(worker, store, manifest, request)
+        return out | {"compared": compared} | _against_fresh(model, request)
     reached = {}
     for entry in sorted(manifest.versions, key=lambda e: e.version):
         if entry.version == 0:
@@ -136,11 +146,29 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         reached[str(entry.version)] = got == request["expected"][str(entry.version)] or sorted(
             n for n in got if got[n] != request["expected"][str(entry.version)][n])
     out["reached"] = reached
+    return out | _against_fresh(model, request)
+
+
+def _anchors_on_this_rank(worker: Any, store: Path, manifest: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Each later version's anchor written by this rank, then what it holds compared with that version's checkpoint."""
+    compared = {}
+    for entry in sorted(manifest.versions, key=lambda e: e.version):
+        if entry.version == 0 or not entry.anchor:
+            continue
+        files = [(store / ref.key).read_bytes() for ref in entry.anchor]
+        applied = worker.deltasync_apply_files(files, "anchor", entry.version, verify=1 << 20)
+        if applied.get("refused") or applied["wrong"]:
+            return {"apply": applied}
+        compared[str(entry.version)] = worker.deltasync_compare(request["checkpoints"][str(entry.version)], text=True)
+    return compared
+
+
+def _against_fresh(model: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Every runtime parameter of this rank against a fresh model's loaded from the last version's checkpoint."""
     fresh, _ = _build(request["fresh"])
     fresh_params = dict(fresh.named_parameters())
-    out["runtime_differs"] = sorted(n for n, p in model.named_parameters() if _digest(p) != _digest(fresh_params[n]))
-    out["runtime_compared"] = len(fresh_params)
-    return out
+    differs = sorted(n for n, p in model.named_parameters() if _digest(p) != _digest(fresh_params[n]))
+    return {"runtime_differs": differs, "runtime_compared": len(fresh_params)}
 
 
 if __name__ == "__main__":

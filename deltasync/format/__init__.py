@@ -7,7 +7,7 @@ model fingerprint, version and base version, and per tensor its codec, shape,
 dtype, changed-element count and codec params. Since format 4 a delta packs
 that table, with each stream's layout, into one zstd-compressed metadata value
 over a single ``streams`` entry (:mod:`.layout`); readers see format 3's
-entries either way. An *anchor* is a plain bf16 checkpoint (entries named
+entries either way. An *anchor* is a plain checkpoint in the published dtypes (entries named
 after the tensors themselves, loadable by any safetensors reader) with the
 same metadata. ``docs/FORMAT.md`` specifies it.
 

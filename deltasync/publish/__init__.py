@@ -6,7 +6,8 @@
 - :mod:`.engine`: the machinery both drive (writing versions, the background worker); :mod:`.options`:
   their options and defaults.
 - What a trainer publishes: :mod:`.forms` (weights with several exact forms), :mod:`.lora` (a LoRA run as
-  merged weights or adapter, whichever is smaller), :mod:`.peft` (a PEFT model's merged weights).
+  merged weights or adapter, whichever is smaller), :mod:`.peft` (a PEFT model's merged weights), :mod:`.fp8`
+  (the block-fp8 view, for replicas that serve fp8 weights).
 - :mod:`.diff`: exact change detection against the last published version.
 """
 

@@ -3,7 +3,9 @@
 By role:
 
 - mapping: :mod:`.mapping` (an :class:`~deltasync.appliers.mapping.IndexMap` probed from vLLM's weight
-  loaders), :mod:`.cpu_experts` (vLLM's CPU MoE prepacking, a registered parameter layout).
+  loaders), :mod:`.recorded` (the loaders of parameters quantized layers re-created), :mod:`.cpu_experts`
+  (vLLM's CPU MoE prepacking, a registered parameter layout), :mod:`.quantized` (whether the engine's
+  quantization is the run's).
 - decode: :mod:`.rank_decode` (a version's files decoded by the rank that holds every element).
 - transport: :mod:`.wire` (what the follower and the workers send each other), :mod:`.rpc` (an in-process
   engine or a server), :mod:`.prefetch` (downloaded deltas seen early), :mod:`.file_drop` (files handed to an
