@@ -115,7 +115,7 @@ def _print_inspect(info: dict[str, Any], limit: int) -> None:
     columns = (
         Column("tensor", max(len(t["name"]) for t in rows), gap=2),
         Column("codec", 11),
-        Column("dtype", 5),
+        Column("dtype", 7),
         Column("shape", 14),
         Column("changed", 10, ">"),
         Column("density", 9, ">"),

@@ -210,7 +210,7 @@ def read_layout(path: Path, dtype: torch.dtype | None) -> tuple[list[tuple[Tenso
 
     Raises:
         `DeltaFormatError`: a malformed header or entry, or overlapping tensors.
-        `TensorMismatch`: a tensor is not in ``dtype``.
+        `TensorMismatch`: a tensor is not in ``dtype`` (nor part of a block-fp8 view).
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -221,7 +221,11 @@ def read_layout(path: Path, dtype: torch.dtype | None) -> tuple[list[tuple[Tenso
         except DeltaFormatError as exc:
             raise DeltaFormatError(f"{path}: {exc}") from None
     data_start, data_size = 8 + length, size - 8 - length
-    layout = [_parse_tensor(path, n, e, dtype, data_size) for n, e in header.items() if n != "__metadata__"]
+    # A block-fp8 view's tensors (e4m3 weights and their scales) are held in their own dtypes whatever ``dtype``.
+    fp8 = {n for n, e in header.items() if isinstance(e, dict) and e.get("dtype") == "F8_E4M3"}
+    own = fp8 | {scale_name(n) for n in fp8}
+    layout = [_parse_tensor(path, n, e, None if n in own else dtype, data_size)
+              for n, e in header.items() if n != "__metadata__"]
     ranges = sorted((begin, end) for _, begin, end in layout if end > begin)
     if any(later[0] < earlier[1] for earlier, later in zip(ranges, ranges[1:])):
         raise DeltaFormatError(f"{path}: tensors overlap in the data section; refusing to patch it in place")
