@@ -137,6 +137,22 @@ def test_vllm_block_fp8_is_exact_after_every_version(tmp_path: Path, make: Any) 
     assert runtime[qkv][1] == "torch.float8_e4m3fn" and qkv + "_scale_inv" in runtime
 
 
+def test_the_deltasync_backend_follows_an_fp8_run_exactly(tmp_path: Path) -> None:
+    """The weight-transfer backend (what ``/update_weights`` and TRL's ``DeltaSyncTransfer`` drive), built as vLLM
+    builds it in a worker over vLLM's own fp8 model: the engine's rule checked, the map proven, every version
+    fetched, checked and written; exact after each, and the runtime bytes equal a fresh load's at the end."""
+    from deltasync.appliers.checkpoint.files import checkpoint_specs
+
+    request = _train(tmp_path, _qwen3_moe, 3, anchor_every=1000)
+    answer = _in_process(tmp_path, {**request, "kernel": "reference", "path": "backend"})[0]
+    assert sorted(answer["compared"], key=int) == ["1", "2", "3"]
+    specs = {s.name: s for s in checkpoint_specs(request["model"])}
+    for version, counts in answer["compared"].items():
+        assert counts.keys() == specs.keys(), version
+        assert all(c["wrong"] == 0 and c["read"] == specs[n].numel for n, c in counts.items()), version
+    assert answer["runtime_differs"] == [] and answer["runtime_compared"] > 0
+
+
 def test_vllms_own_cpu_kernel_is_refused_or_absent(tmp_path: Path) -> None:
     """vLLM's CPU block-fp8 kernel exists only for AMX machines, and repacks the weights for AMX tiles: there the
     proof finds the packed bytes differ from the checkpoint and names each packed parameter, before any write;

@@ -127,6 +127,8 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         return out
     store = Path(request["store"])
     manifest = Manifest.from_bytes((store / "manifest.json").read_bytes())
+    if request.get("path") == "backend":
+        return {"compared": _through_the_backend(model, config, manifest, request)} | _against_fresh(model, request)
     if tp > 1:
         compared = _anchors_on_this_rank(worker, store, manifest, request)
         return out | {"compared": compared} | _against_fresh(model, request)
@@ -147,6 +149,32 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
             n for n in got if got[n] != request["expected"][str(entry.version)][n])
     out["reached"] = reached
     return out | _against_fresh(model, request)
+
+
+def _through_the_backend(model: Any, config: Any, manifest: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The ``deltasync`` weight-transfer backend as vLLM builds it in a worker, driven as ``/update_weights`` drives
+    it: initialised at the version the engine loaded, then told each version; after each, what this rank holds
+    compared with that version's checkpoint."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from deltasync.appliers.checkpoint.files import checkpoint_reader
+    from deltasync.appliers.verify import compare_held
+    from deltasync.appliers.vllm.backend import DeltaSyncWeightTransferEngine
+
+    engine = DeltaSyncWeightTransferEngine(
+        WeightTransferConfig(backend="deltasync"), config, torch.device("cpu"), model
+    )
+    engine.init_transfer_engine(engine.parse_init_info({
+        "store": request["store"], "checkpoint": request["model"], "start_version": 0, "run_id": manifest.run_id,
+    }))
+    compared = {}
+    for version in sorted(request["checkpoints"], key=int):
+        engine.receive_weights(engine.parse_update_info({"version": int(version)}))
+        with checkpoint_reader(request["checkpoints"][version]) as loaded, torch.no_grad():
+            counts, _ = compare_held(engine.replica.index, loaded)
+        compared[version] = counts
+    engine.subscriber.close()
+    return compared
 
 
 def _anchors_on_this_rank(worker: Any, store: Path, manifest: Any, request: dict[str, Any]) -> dict[str, Any]:
