@@ -473,3 +473,26 @@ class TestIntegrations:
         with pytest.raises(ConfigError, match="dtype"):
             DeltaSyncTransfer(store_url(), fp8=True, dtype=torch.bfloat16)
         assert DeltaSyncTransfer(store_url(), fp8=BlockFp8((64, 64))).fp8 == BlockFp8((64, 64))
+
+
+def test_deltasync_watch_keeps_an_fp8_checkpoint_directory(tmp_path: Path) -> None:
+    """The command a user runs, into an empty directory, from the conformance suite's fp8 run: the directory ends as
+    the reference's last version, e4m3 tensors and their scales in their own dtypes."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    case_dir = Path(__file__).resolve().parent.parent / "conformance" / "golden" / "fp8-block-compact"
+    case = json.loads((case_dir / "case.json").read_text())
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    done = subprocess.run([sys.executable, "-m", "deltasync.cli", "watch", str(case_dir / "store"), "--model",
+                           str(target), "--once", "--no-ack"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    held = {}
+    for path in target.glob("*.safetensors"):
+        held.update(load_file(path))
+    digests = {n: hashlib.sha256(bits(t).numpy().tobytes()).hexdigest() for n, t in held.items()}
+    assert digests == case["versions"][max(case["versions"], key=int)]
+    assert held["proj.weight"].dtype == FP8_DTYPE and held["proj.weight_scale_inv"].dtype == torch.float32
