@@ -96,13 +96,18 @@ class BlockFp8:
         for lead in _leading(w.shape[:-2]):
             for top in range(0, rows, step):
                 stripe = w[lead][top : top + step].to(torch.bfloat16).float()
-                q[lead][top : top + step], scales[lead][top // br : (top + step) // br] = self._stripe(
-                    name, stripe, br, bc
-                )
+                q[lead][top : top + step], scales[lead][top // br : (top + step) // br] = self._stripe(stripe, br, bc)
+        # An inf or NaN makes its block's amax, then its scale, non-finite: one check (one host wait) a tensor.
+        if not bool(torch.isfinite(scales).all()):
+            raise QuantizationError(
+                f"{name!r} holds an inf or NaN: it has no fp8 view; nothing was published (fix the weights, or "
+                "publish this tensor in bf16 by leaving it out of the fp8 view)",
+                name=name,
+            )
         return q, scales
 
     @staticmethod
-    def _stripe(name: str, w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stripe(w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize a float32 stripe of whole block rows (the last may be short)."""
         rows, cols = w.shape
         grid_r, grid_c = math.ceil(rows / br), math.ceil(cols / bc)
@@ -110,13 +115,10 @@ class BlockFp8:
         padded = torch.nn.functional.pad(w, (0, grid_c * bc - cols, 0, grid_r * br - rows))
         blocks = padded.view(grid_r, br, grid_c, bc)
         amax = blocks.abs().amax(dim=(1, 3))
-        if not bool(torch.isfinite(amax).all()):
-            raise QuantizationError(
-                f"{name!r} holds an inf or NaN: it has no fp8 view; nothing was published (fix the weights, or "
-                "publish this tensor in bf16 by leaving it out of the fp8 view)",
-                name=name,
-            )
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # Divided by a tensor, not a Python number: an elementwise IEEE division on every device (a scalar divisor
+        # may become a multiplication by its rounded reciprocal).
+        # A NaN or an inf in a block leaves its scale non-finite (amax is NaN or inf), which the caller refuses.
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
         q = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return q.view(grid_r * br, grid_c * bc)[:rows, :cols], scale
 
