@@ -27,7 +27,7 @@ from ..errors import ConfigError, TensorMismatch
 from ..format import Header
 from ..replica.applier import Applier
 from ..tensors import TensorSpec, bits_view, fingerprint, published_tensors, settle, stage, write_at
-from ..tensors.fp8 import view_tensors
+from ..tensors.fp8 import FP8_DTYPE, view_names
 from ..util.threads import map_shared
 from .apply import check_header
 
@@ -61,7 +61,8 @@ class TorchModuleApplier(Applier):
             )
         self._stage = stage
         self._tensors = dict(published_tensors(target))
-        fixed = view_tensors(self._tensors)  # a block-fp8 view's tensors keep their dtypes
+        # A block-fp8 view's tensors keep their dtypes.
+        fixed = view_names((n for n, t in self._tensors.items() if t.dtype == FP8_DTYPE), self._tensors)
         self.specs = {
             name: TensorSpec.of(name, t, None if name in fixed else dtype) for name, t in self._tensors.items()
         }

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tensors import TensorSpec, dtype_name, published_tensors
-from ..tensors.fp8 import FP8_DTYPE, BlockFp8, scale_name
+from ..tensors.fp8 import FP8_DTYPE, BlockFp8, scale_name, view_items
 
 __all__ = ["BlockFp8View", "fp8_by_default", "fp8_stream", "fp8_rule"]
 
@@ -65,15 +65,7 @@ def fp8_stream(
     each chosen tensor (``names``, default :func:`fp8_by_default`) as its e4m3 elements then its scales, every
     other as its bf16 cast, each made as its tensor arrives. Publish it with ``Publisher(None, ..., dtype=None)``.
     """
-    rule = rule or BlockFp8()
-    chosen = names or fp8_by_default
-    for name, tensor in tensors:
-        if chosen(name, tensor):
-            q, scales = rule.quantize(name, tensor)
-            yield name, q
-            yield scale_name(name), scales
-        else:
-            yield name, tensor.detach().to(torch.bfloat16)
+    return view_items(tensors, names or fp8_by_default, rule or BlockFp8())
 
 
 class BlockFp8View(Mapping[str, torch.Tensor]):
@@ -170,4 +162,4 @@ class BlockFp8View(Mapping[str, torch.Tensor]):
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
         """``(name, tensor)`` in publishing order, each quantized as it is reached (one pass over the model)."""
-        yield from fp8_stream(published_tensors(self.model), self.rule, names=lambda name, _: name in self.quantized)
+        yield from view_items(published_tensors(self.model), lambda name, _: name in self.quantized, self.rule)

@@ -331,5 +331,5 @@ class Publisher(PublisherView):
         if isinstance(self.model, Forms):
             return smallest(snapshot, self.model, chunk=self.chunk, prefer=self.writer_engine.form)
         if isinstance(self.model, BlockFp8View):  # one tensor's fp8 copy at a time, never the model's
-            return None, diff_stream(snapshot, self.model.items(), chunk=self.chunk)
+            return None, self._diff_stream(self.model.items())
         return None, diff(snapshot, self.model, chunk=self.chunk)

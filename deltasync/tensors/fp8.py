@@ -22,7 +22,7 @@ has scale 1.0 and zero elements; a block whose ``amax`` changes moves its scale 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,8 @@ import torch
 from ..errors import ConfigError, QuantizationError
 
 __all__ = [
-    "BlockFp8", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "scale_name", "quantize", "quantize_all", "view_tensors",
+    "BlockFp8", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "scale_name", "quantize", "quantize_all", "view_items",
+    "view_names",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -48,11 +49,11 @@ def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
-def view_tensors(tensors: Mapping[str, torch.Tensor]) -> set[str]:
-    """The names among ``tensors`` that hold a block-fp8 view: the e4m3 tensors and their scales, whose dtypes
-    are the view's whatever dtype a receiver publishes the rest in."""
-    quantized = {name for name, t in tensors.items() if t.dtype == FP8_DTYPE}
-    return quantized | {scale_name(name) for name in quantized if scale_name(name) in tensors}
+def view_names(quantized: Iterable[str], names: Container[str]) -> set[str]:
+    """Which of ``names`` hold a block-fp8 view, given its e4m3 tensors ``quantized``: those and their scales,
+    whose dtypes are the view's whatever dtype a receiver holds the rest in."""
+    quantized = set(quantized)
+    return quantized | {scale_name(name) for name in quantized if scale_name(name) in names}
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,17 +142,24 @@ def quantize(name: str, weights: torch.Tensor, rule: BlockFp8 | None = None) -> 
     return (rule or BlockFp8()).quantize(name, weights)
 
 
+def view_items(
+    tensors: Iterable[tuple[str, torch.Tensor]], chosen: Callable[[str, torch.Tensor], bool], rule: BlockFp8
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The block-fp8 view of ``(name, tensor)`` pairs, made as each arrives: a tensor ``chosen`` says yes to as its
+    e4m3 elements then its scales (:func:`scale_name`), every other as its bf16 cast."""
+    for name, tensor in tensors:
+        if chosen(name, tensor):
+            q, scales = rule.quantize(name, tensor)
+            yield name, q
+            yield scale_name(name), scales
+        else:
+            yield name, tensor.detach().to(torch.bfloat16)
+
+
 def quantize_all(
     weights: Mapping[str, torch.Tensor], names: Iterable[str], rule: BlockFp8 | None = None
 ) -> dict[str, torch.Tensor]:
     """A checkpoint of ``weights`` with the tensors in ``names`` in block fp8 (each followed by its scale)
     and every other tensor in bf16: the reference an fp8 replica is compared with, bit for bit."""
-    rule = rule or BlockFp8()
     chosen = set(names)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name in chosen:
-            out[name], out[scale_name(name)] = rule.quantize(name, tensor)
-        else:
-            out[name] = tensor.detach().to(torch.bfloat16)
-    return out
+    return dict(view_items(weights.items(), lambda name, _: name in chosen, rule or BlockFp8()))

@@ -43,7 +43,7 @@ import torch
 from ...errors import ConflictError, DeltaFormatError, TensorMismatch
 from ...format import MAX_HEADER_BYTES, raw_header
 from ...tensors import DTYPE_BY_NAME, NUMPY_BITS_BY_SIZE, TensorSpec, dtype_name
-from ...tensors.fp8 import scale_name
+from ...tensors.fp8 import view_names
 
 __all__ = [
     "checkpoint_reader",
@@ -222,8 +222,7 @@ def read_layout(path: Path, dtype: torch.dtype | None) -> tuple[list[tuple[Tenso
             raise DeltaFormatError(f"{path}: {exc}") from None
     data_start, data_size = 8 + length, size - 8 - length
     # A block-fp8 view's tensors (e4m3 weights and their scales) are held in their own dtypes whatever ``dtype``.
-    fp8 = {n for n, e in header.items() if isinstance(e, dict) and e.get("dtype") == "F8_E4M3"}
-    own = fp8 | {scale_name(n) for n in fp8}
+    own = view_names((n for n, e in header.items() if isinstance(e, dict) and e.get("dtype") == "F8_E4M3"), header)
     layout = [_parse_tensor(path, n, e, None if n in own else dtype, data_size)
               for n, e in header.items() if n != "__metadata__"]
     ranges = sorted((begin, end) for _, begin, end in layout if end > begin)
@@ -305,8 +304,7 @@ def checkpoint_specs(directory: str | Path, *, dtype: torch.dtype = torch.bfloat
             for name in f.keys():
                 part = f.get_slice(name)
                 found[name] = (tuple(part.get_shape()), part.get_dtype())
-    fp8 = {name for name, (_, kind) in found.items() if kind == "F8_E4M3"}
-    own = fp8 | {scale_name(name) for name in fp8}
+    own = view_names((name for name, (_, kind) in found.items() if kind == "F8_E4M3"), found)
     return [
         TensorSpec(name, shape, kind if name in own else dtype_name(dtype)) for name, (shape, kind) in found.items()
     ]

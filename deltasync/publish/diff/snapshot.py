@@ -68,7 +68,6 @@ DENSE_FRACTION = 1 / 3
 _WORD_BYTES = 8
 # Below this many mask bytes a plain flatnonzero beats the two-level scan.
 _TWO_LEVEL_MIN = 1 << 12
-# Integer dtypes of the bit patterns, by width in bytes.
 
 
 class Snapshot:
